@@ -1,0 +1,479 @@
+"""PPO on Atari the conventional way: the yardstick for learning and speed.
+
+This is PPO as a careful researcher writes it without speed tricks (after CleanRL's
+ppo_atari.py): a gymnasium vector env of ale-py v5 envs with gymnasium's Atari
+preprocessing, the Nature CNN, and the standard clipped PPO update. Defaults follow the
+SLM Lab PPO Atari spec. Run: python ppo_atari_baseline.py --env-id Breakout-v5
+"""
+
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.optim as optim
+import tyro
+from torch.distributions.categorical import Categorical
+from torch.utils.tensorboard import SummaryWriter
+
+import utils
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment (part of the run directory's name)"""
+    seed: int = 1
+    """seed of the experiment (python, numpy, torch and the envs)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    device: str = "auto"
+    """auto (CUDA if available, else CPU), cpu, cuda or cuda:N"""
+    runs_dir: str = "runs"
+    """where run directories are created"""
+    save_interval: int = 50
+    """write a checkpoint every this many iterations (and at the end)"""
+    resume: str | None = None
+    """path of a checkpoint.pt to continue from, in its own run directory"""
+    eval_checkpoint: str | None = None
+    """evaluate this checkpoint or model.pt instead of training"""
+    eval_episodes: int = 10
+    """number of full games played by --eval-checkpoint"""
+    capture_video: bool = False
+    """record the evaluation games to videos/ in the run directory (needs moviepy)"""
+
+    # Algorithm specific arguments
+    env_id: str = "Breakout-v5"
+    """the id of the game: Breakout-v5 or ALE/Breakout-v5 (any ale-py game)"""
+    total_timesteps: int = 10_000_000
+    """total agent steps of the experiment (each is 4 frames)"""
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 16
+    """the number of parallel game environments"""
+    num_steps: int = 128
+    """the number of steps to run in each environment per policy rollout"""
+    anneal_lr: bool = True
+    """toggle learning rate annealing for policy and value networks"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    gae_lambda: float = 0.95
+    """the lambda for the general advantage estimation"""
+    num_minibatches: int = 8
+    """the number of mini-batches"""
+    update_epochs: int = 4
+    """the K epochs to update the policy (0: collect only, used to time the rollout)"""
+    norm_adv: bool = True
+    """toggles advantages normalization"""
+    clip_coef: float = 0.1
+    """the surrogate clipping coefficient"""
+    clip_vloss: bool = True
+    """toggles whether or not to use a clipped loss for the value function"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy"""
+    vf_coef: float = 0.5
+    """coefficient of the value function"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping"""
+    target_kl: float | None = None
+    """the target KL divergence threshold"""
+    life_loss_terminal: bool = True
+    """treat a lost life as terminal for the learner (returns are still logged per full game)"""
+    vector_mode: str = "async"
+    """async: one process per env (gymnasium AsyncVectorEnv); sync: all in this process"""
+
+    # to be filled in runtime
+    batch_size: int = 0
+    """the batch size (computed in runtime)"""
+    minibatch_size: int = 0
+    """the mini-batch size (computed in runtime)"""
+    num_iterations: int = 0
+    """the number of iterations (computed in runtime)"""
+
+
+class FireReset(gym.Wrapper):
+    """Press FIRE after a reset, for games that wait for it (as ale-py's use_fire_reset does)."""
+
+    def reset(self, **kwargs):
+        self.env.reset(**kwargs)
+        obs, _, terminated, truncated, info = self.env.step(1)
+        if terminated or truncated:
+            obs, info = self.env.reset(**kwargs)
+        return obs, info
+
+
+class LifeLossTerminal(gym.Wrapper):
+    """Report a lost life as terminal to the learner without restarting the game.
+
+    The vector env then calls reset(), which only restarts the game when it really ended;
+    otherwise it takes a no-op step, so frame stacks and episode statistics (recorded inside
+    this wrapper) run over the full game.
+    """
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.lives = 0
+        self.game_over = True
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.game_over = terminated or truncated
+        lives = self.env.unwrapped.ale.lives()
+        terminated = terminated or 0 < lives < self.lives
+        self.lives = lives
+        return obs, reward, terminated, truncated, info
+
+    def reset(self, **kwargs):
+        if self.game_over:
+            obs, info = self.env.reset(**kwargs)
+        else:
+            obs, _, terminated, truncated, info = self.env.step(0)
+            if terminated or truncated:
+                obs, info = self.env.reset(**kwargs)
+        self.game_over = False
+        self.lives = self.env.unwrapped.ale.lives()
+        return obs, info
+
+
+def make_env(env_id, seed, life_loss_terminal):
+    def thunk():
+        import multiprocessing
+        import signal
+
+        import ale_py
+
+        if multiprocessing.parent_process() is not None:
+            # a worker process: Ctrl-C is for the main process, which stops the run cleanly
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        gym.register_envs(ale_py)
+        # ALE v5 protocol: sticky actions 0.25, 108k frames at most. frameskip=1 here because
+        # AtariPreprocessing skips 4 frames itself (with max-pooling): never skip twice.
+        env = gym.make(f"ALE/{utils.game_name(env_id)}-v5", frameskip=1, repeat_action_probability=0.25)
+        env = gym.wrappers.AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84)
+        env = gym.wrappers.RecordEpisodeStatistics(env)  # full games, unclipped, agent steps
+        if "FIRE" in env.unwrapped.get_action_meanings():
+            env = FireReset(env)
+        env = gym.wrappers.FrameStackObservation(env, 4, padding_type="zero")
+        if life_loss_terminal:
+            env = LifeLossTerminal(env)
+        env = gym.wrappers.ClipReward(env, -1, 1)  # the learner sees clipped rewards
+        env.action_space.seed(seed)
+        return env
+
+    return thunk
+
+
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    """Nature CNN -> Linear(3136, 512) + GELU -> actor and critic heads (all scripts share it)."""
+
+    def __init__(self, num_actions):
+        super().__init__()
+        self.network = nn.Sequential(
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+            nn.ReLU(),
+            nn.Flatten(),
+            layer_init(nn.Linear(64 * 7 * 7, 512)),
+            nn.GELU(),
+        )
+        self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
+        self.critic = layer_init(nn.Linear(512, 1), std=1)
+
+    def get_value(self, x):
+        return self.critic(self.network(x / 255.0))
+
+    def get_action_and_value(self, x, action=None):
+        hidden = self.network(x / 255.0)
+        logits = self.actor(hidden)
+        probs = Categorical(logits=logits)
+        if action is None:
+            action = probs.sample()
+        return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
+
+
+def parse_args() -> Args:
+    args = tyro.cli(Args)
+    utils.rom_id(args.env_id)  # unknown games fail here, with close matches
+    utils.check_positive(num_envs=args.num_envs, eval_episodes=args.eval_episodes)
+    if args.eval_checkpoint is None:
+        utils.check_positive(
+            total_timesteps=args.total_timesteps, num_steps=args.num_steps,
+            num_minibatches=args.num_minibatches, save_interval=args.save_interval,
+        )  # fmt: skip
+        if args.update_epochs < 0:
+            raise utils.UsageError(f"--update-epochs must be >= 0, got {args.update_epochs}")
+    if args.vector_mode not in ("async", "sync"):
+        raise utils.UsageError(f"--vector-mode {args.vector_mode!r}: expected async or sync")
+    args.batch_size = int(args.num_envs * args.num_steps)
+    if args.batch_size % args.num_minibatches:
+        raise utils.UsageError(
+            f"batch size {args.batch_size} (num_envs x num_steps) is not divisible by "
+            f"--num-minibatches {args.num_minibatches}"
+        )
+    if args.eval_checkpoint is None and args.total_timesteps < args.batch_size:
+        raise utils.UsageError(f"--total-timesteps {args.total_timesteps} is below one batch ({args.batch_size} steps)")
+    args.minibatch_size = int(args.batch_size // args.num_minibatches)
+    args.num_iterations = args.total_timesteps // args.batch_size
+    return args
+
+
+if __name__ == "__main__":
+    try:
+        args = parse_args()
+        device = utils.resolve_device(args.device)
+        checkpoint = None
+        if args.resume is not None:
+            checkpoint = utils.load_checkpoint(args.resume, Path(__file__).name, args.env_id)
+        if args.eval_checkpoint is not None:
+            evaluated = utils.load_checkpoint(args.eval_checkpoint, Path(__file__).name, args.env_id)
+    except utils.UsageError as e:
+        utils.fail(str(e))
+
+    # seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+
+    if args.eval_checkpoint is not None:
+        agent = Agent(evaluated["num_actions"]).to(device)
+        agent.load_state_dict(evaluated["model"])
+        video_dir = Path(args.eval_checkpoint).parent / "videos"
+        act = lambda obs: agent.get_action_and_value(obs.float())[0]  # noqa: E731
+        try:
+            returns = utils.evaluate(
+                args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir
+            )
+        except utils.UsageError as e:
+            utils.fail(str(e))
+        print(utils.report_evaluation(args.env_id, returns))
+        sys.exit(0)
+
+    # log setup: a resumed run continues in its own directory and step count
+    if checkpoint is not None:
+        run_dir = Path(args.resume).parent
+        start_iteration, global_step = checkpoint["iteration"], checkpoint["global_step"]
+    else:
+        run_dir = Path(args.runs_dir) / utils.run_name(args)
+        start_iteration, global_step = 0, 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # purge_step drops events a crashed run wrote after its last checkpoint
+    writer = SummaryWriter(str(run_dir), purge_step=global_step if checkpoint else None)
+    if checkpoint is None:
+        writer.add_text("hyperparameters", utils.hyperparameters_text(args))
+    stop = utils.StopSignal()
+
+    # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
+    env_seed = args.seed + 1_000_003 * start_iteration
+    env_fns = [make_env(args.env_id, env_seed + i, args.life_loss_terminal) for i in range(args.num_envs)]
+    autoreset = gym.vector.AutoresetMode.SAME_STEP
+    if args.vector_mode == "async":
+        envs = gym.vector.AsyncVectorEnv(env_fns, autoreset_mode=autoreset)
+    else:
+        envs = gym.vector.SyncVectorEnv(env_fns, autoreset_mode=autoreset)
+    num_actions = int(envs.single_action_space.n)
+
+    # agent and optimizer
+    agent = Agent(num_actions).to(device)
+    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    if checkpoint is not None:
+        agent.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        utils.set_rng_states(checkpoint["rng"])
+
+    def save(iteration, step, path=run_dir / "checkpoint.pt"):
+        state = {
+            "script": Path(__file__).name, "env_id": args.env_id, "args": vars(args),
+            "num_actions": num_actions, "model": agent.state_dict(),
+            "optimizer": optimizer.state_dict(), "iteration": iteration, "global_step": step,
+            "env_seed": env_seed, "rng": utils.rng_states(),
+        }  # fmt: skip
+        utils.save_checkpoint(path, state)
+
+    # storage
+    obs = torch.zeros((args.num_steps, args.num_envs) + envs.single_observation_space.shape, dtype=torch.uint8).to(
+        device
+    )
+    actions = torch.zeros((args.num_steps, args.num_envs), dtype=torch.long).to(device)
+    logprobs = torch.zeros((args.num_steps, args.num_envs)).to(device)
+    rewards = torch.zeros((args.num_steps, args.num_envs)).to(device)
+    dones = torch.zeros((args.num_steps, args.num_envs)).to(device)
+    values = torch.zeros((args.num_steps, args.num_envs)).to(device)
+
+    # start the game
+    progress = utils.Progress(args.total_timesteps, global_step)
+    next_obs, _ = envs.reset(seed=env_seed)
+    next_obs = torch.tensor(next_obs, device=device)
+    next_done = torch.zeros(args.num_envs).to(device)
+    iteration = start_iteration
+    print(f"run directory: {run_dir}", flush=True)
+
+    for iteration in range(start_iteration + 1, args.num_iterations + 1):
+        iteration_start_step = global_step
+        # annealing the rate if instructed to do so.
+        if args.anneal_lr:
+            frac = 1.0 - (iteration - 1.0) / args.num_iterations
+            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+
+        # rollout
+        for step in range(0, args.num_steps):
+            if stop:
+                break
+            global_step += args.num_envs
+            obs[step] = next_obs
+            dones[step] = next_done
+
+            with torch.no_grad():
+                action, logprob, _, value = agent.get_action_and_value(next_obs)
+                values[step] = value.flatten()
+            actions[step] = action
+            logprobs[step] = logprob
+
+            next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+            next_done = np.logical_or(terminations, truncations)
+            rewards[step] = torch.tensor(reward).to(device).view(-1)
+            next_obs, next_done = torch.tensor(next_obs, device=device), torch.Tensor(next_done).to(device)
+
+            # full games end inside the stack of wrappers; SameStep autoreset moves their
+            # statistics to final_info
+            for info in (infos, infos.get("final_info", {})):
+                if "episode" in info:
+                    for i in np.flatnonzero(info["_episode"]):
+                        episodic_return = float(info["episode"]["r"][i])
+                        progress.recent_returns.append(episodic_return)
+                        writer.add_scalar("charts/episodic_return", episodic_return, global_step)
+                        writer.add_scalar("charts/episodic_length", int(info["episode"]["l"][i]), global_step)
+        if stop:  # abandon the unfinished rollout: the checkpoint is the last full iteration
+            iteration, global_step = iteration - 1, iteration_start_step
+            break
+
+        # bootstrap value if not done
+        with torch.no_grad():
+            next_value = agent.get_value(next_obs).reshape(1, -1)
+            advantages = torch.zeros_like(rewards).to(device)
+            lastgaelam = 0
+            for t in reversed(range(args.num_steps)):
+                if t == args.num_steps - 1:
+                    nextnonterminal = 1.0 - next_done
+                    nextvalues = next_value
+                else:
+                    nextnonterminal = 1.0 - dones[t + 1]
+                    nextvalues = values[t + 1]
+                delta = rewards[t] + args.gamma * nextvalues * nextnonterminal - values[t]
+                advantages[t] = lastgaelam = delta + args.gamma * args.gae_lambda * nextnonterminal * lastgaelam
+            returns = advantages + values
+
+        # flatten the batch
+        b_obs = obs.reshape((-1,) + envs.single_observation_space.shape)
+        b_logprobs = logprobs.reshape(-1)
+        b_actions = actions.reshape(-1)
+        b_advantages = advantages.reshape(-1)
+        b_returns = returns.reshape(-1)
+        b_values = values.reshape(-1)
+
+        # Optimizing the policy and value network
+        b_inds = np.arange(args.batch_size)
+        clipfracs = []
+        for epoch in range(args.update_epochs):
+            np.random.shuffle(b_inds)
+            for start in range(0, args.batch_size, args.minibatch_size):
+                end = start + args.minibatch_size
+                mb_inds = b_inds[start:end]
+
+                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
+                logratio = newlogprob - b_logprobs[mb_inds]
+                ratio = logratio.exp()
+
+                with torch.no_grad():
+                    # calculate approx_kl http://joschu.net/blog/kl-approx.html
+                    old_approx_kl = (-logratio).mean()
+                    approx_kl = ((ratio - 1) - logratio).mean()
+                    clipfracs += [((ratio - 1.0).abs() > args.clip_coef).float().mean().item()]
+
+                mb_advantages = b_advantages[mb_inds]
+                if args.norm_adv:
+                    mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+
+                # Policy loss
+                pg_loss1 = -mb_advantages * ratio
+                pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+                # Value loss
+                newvalue = newvalue.view(-1)
+                if args.clip_vloss:
+                    v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
+                    v_clipped = b_values[mb_inds] + torch.clamp(
+                        newvalue - b_values[mb_inds],
+                        -args.clip_coef,
+                        args.clip_coef,
+                    )
+                    v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+                    v_loss_max = torch.max(v_loss_unclipped, v_loss_clipped)
+                    v_loss = 0.5 * v_loss_max.mean()
+                else:
+                    v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
+
+                entropy_loss = entropy.mean()
+                loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+                if not torch.isfinite(loss):
+                    writer.close()
+                    envs.close()
+                    utils.fail(
+                        f"non-finite loss at iteration {iteration}; the last good checkpoint "
+                        f"is {run_dir / 'checkpoint.pt'}", code=1,
+                    )  # fmt: skip
+
+                optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+                optimizer.step()
+
+            if args.target_kl is not None and approx_kl > args.target_kl:
+                break
+
+        # logging
+        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
+        if args.update_epochs > 0:
+            y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
+            var_y = np.var(y_true)
+            explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+            writer.add_scalar("losses/value_loss", v_loss.item(), global_step)
+            writer.add_scalar("losses/policy_loss", pg_loss.item(), global_step)
+            writer.add_scalar("losses/entropy", entropy_loss.item(), global_step)
+            writer.add_scalar("losses/old_approx_kl", old_approx_kl.item(), global_step)
+            writer.add_scalar("losses/approx_kl", approx_kl.item(), global_step)
+            writer.add_scalar("losses/clipfrac", np.mean(clipfracs), global_step)
+            writer.add_scalar("losses/explained_variance", explained_var, global_step)
+        writer.add_scalar("charts/SPS", progress.sps(global_step), global_step)
+        print(progress.line(iteration, args.num_iterations, global_step), flush=True)
+
+        if iteration % args.save_interval == 0 or iteration == args.num_iterations:
+            if not utils.all_finite(agent):
+                utils.fail(f"non-finite weights at iteration {iteration}; checkpoint not written", code=1)
+            save(iteration, global_step)
+        if stop:
+            break
+
+    # close: a stop saves where it is and says how to continue
+    if stop:
+        save(iteration, global_step)
+        print(utils.stopped_message(stop, global_step, run_dir / "checkpoint.pt"), flush=True)
+    else:
+        save(iteration, global_step, run_dir / "model.pt")
+        print(f"saved {run_dir / 'model.pt'}", flush=True)
+    envs.close()
+    writer.close()

@@ -1,0 +1,85 @@
+"""Helpers for the tests: run a script as a user would, read what it wrote to TensorBoard."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TAGS = [
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/learning_rate",
+    "charts/SPS",
+    "losses/value_loss",
+    "losses/policy_loss",
+    "losses/entropy",
+    "losses/old_approx_kl",
+    "losses/approx_kl",
+    "losses/clipfrac",
+    "losses/explained_variance",
+]
+
+# tiny budgets: a few iterations, enough for full Breakout games to end in them
+TINY = ["--num-envs", "4", "--num-steps", "64", "--num-minibatches", "4", "--total-timesteps", "1024"]
+
+
+def run_script(script, *args, timeout=600, env=None, check=True):
+    """Run `python script args` from the repository root; returns the CompletedProcess."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1")
+    full_env.pop("TRITON_INTERPRET", None)
+    full_env.update(env or {})
+    result = subprocess.run(
+        [sys.executable, str(ROOT / script), *map(str, args)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env,
+    )  # fmt: skip
+    if check and result.returncode != 0:
+        raise AssertionError(f"{script} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def run_dir_of(result) -> Path:
+    for line in result.stdout.splitlines():
+        if line.startswith("run directory: "):
+            return Path(line.removeprefix("run directory: "))
+    raise AssertionError(f"no run directory printed:\n{result.stdout[-2000:]}")
+
+
+def read_scalars(run_dir) -> dict:
+    """tag -> list of (step, value) over every event file in run_dir, in file order."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    scalars = {}
+    for path in sorted(Path(run_dir).glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.HasField("tensor") or value.HasField("simple_value"):
+                    if value.metadata.plugin_data.plugin_name not in ("", "scalars"):
+                        continue
+                    number = value.simple_value if value.HasField("simple_value") else _tensor(value.tensor)
+                    scalars.setdefault(value.tag, []).append((event.step, number))
+    return scalars
+
+
+def _tensor(tensor):
+    from tensorboard.util import tensor_util
+
+    return float(tensor_util.make_ndarray(tensor))
+
+
+def assert_all_tags(scalars, tags=TAGS):
+    missing = [tag for tag in tags if tag not in scalars]
+    assert not missing, f"missing tags {missing}; have {sorted(scalars)}"
+    for tag in tags:
+        bad = [v for _, v in scalars[tag] if not math.isfinite(v)]
+        assert not bad, f"{tag} has non-finite values {bad[:5]}"
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+    return tmp_path / "runs"
