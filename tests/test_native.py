@@ -1,0 +1,190 @@
+"""ppo_atari_native.py and utils' env machinery: the fast path must compute what the plain one does."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY, assert_all_tags, read_scalars, run_dir_of, run_script
+
+import kernels
+import ppo_atari_native as native
+import utils
+
+
+def play(envs, num_batches, steps, seed=0):
+    """Step ThreadedAtariEnvs round-robin with random actions, stacking frames on the device.
+
+    Yields (step, obs [num_envs, 4, 84, 84], rewards, dones, actions) after every step."""
+    n = envs.num_envs
+    obs = torch.zeros((2, n, 4, 84, 84), dtype=torch.uint8)
+    device = torch.device("cpu")
+    stacks = [utils.DeviceFrameStack([obs[t, sl] for t in range(2)], device, None) for sl in envs.slices]
+    for b, frames in enumerate(np.split(envs.reset(seed=seed), num_batches)):
+        stacks[b].start(0, frames)
+    rng = np.random.default_rng(seed)
+    rewards, dones = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
+    yield 0, obs[0].clone(), rewards, dones, None
+    for step in range(1, steps + 1):
+        actions = rng.integers(envs.num_actions, size=n)
+        for b, sl in enumerate(envs.slices):
+            envs.send(b, actions[sl])
+        for b, sl in enumerate(envs.slices):
+            frames, ended = envs.recv(b, rewards[sl], dones[sl])
+            stacks[b].push(1, frames, ended)
+        obs[0].copy_(obs[1])
+        yield step, obs[1].clone(), rewards, dones, actions
+
+
+def test_device_frame_stack_matches_ale_stack_num_4():
+    """The device stack equals ale-py's own stack_num=4 observations, across life losses and
+    game overs, for the same seeds and actions."""
+    from ale_py.vector_env import AtariVectorEnv
+
+    n, num_batches = 4, 2
+    envs = utils.ThreadedAtariEnvs("Breakout-v5", n, num_batches, 2, seed=7)
+    reference = [
+        AtariVectorEnv(
+            "breakout",
+            n // num_batches,
+            repeat_action_probability=0.25,
+            stack_num=4,
+            reward_clipping=False,
+            life_loss_info=True,
+            autoreset_mode="SameStep",
+            num_threads=1,
+        )  # fmt: skip
+        for _ in range(num_batches)
+    ]
+    game_overs = 0
+    for step, obs, _, _, actions in play(envs, num_batches, 1200, seed=7):
+        if actions is None:
+            expected = np.concatenate([ref.reset(seed=7 + b * 2)[0] for b, ref in enumerate(reference)])
+        else:
+            expected = np.concatenate([ref.step(actions[b * 2 : b * 2 + 2])[0] for b, ref in enumerate(reference)])
+        np.testing.assert_array_equal(obs.numpy(), expected, err_msg=f"step {step}")
+        game_overs += len(envs.pop_finished())
+    assert game_overs >= 4, "the test must cross several game overs"
+    envs.close()
+
+
+def test_threaded_envs_episode_accounting():
+    """Full-game returns from unclipped rewards, clipped rewards and life-loss terminals for the
+    learner: checked against a plain ale-py env with the same seed and actions."""
+    from ale_py.vector_env import AtariVectorEnv
+
+    envs = utils.ThreadedAtariEnvs("SpaceInvaders-v5", 1, 1, 1, seed=3)
+    plain = AtariVectorEnv(
+        "space_invaders", 1, repeat_action_probability=0.25, stack_num=1, reward_clipping=False, num_threads=1
+    )
+    plain.reset(seed=3)
+    raw_total, raw_max, length, terminals, clipped = 0.0, 0.0, 0, 0, []
+    for step, _, rewards, dones, actions in play(envs, 1, 5000, seed=3):
+        if actions is None:
+            continue
+        _, raw, terminated, truncated, _ = plain.step(actions)
+        raw_total, raw_max, length = raw_total + raw[0], max(raw_max, raw[0]), length + 1
+        clipped.append(rewards[0])
+        terminals += int(dones[0])
+        finished = envs.pop_finished()
+        if terminated[0] or truncated[0]:
+            assert finished == [(0, raw_total, length)]
+            break
+        assert finished == []
+    else:
+        pytest.fail("no game over")
+    assert raw_max > 1 and set(clipped) <= {0.0, 1.0}
+    assert terminals == 3  # every lost life is terminal for the learner
+    envs.close()
+
+
+def test_gae_vectorized_equals_loop():
+    torch.manual_seed(0)
+    T, N, gamma, lam = 33, 5, 0.99, 0.95
+    rewards, values = torch.randn(T, N), torch.randn(T + 1, N)
+    dones = (torch.rand(T + 1, N) < 0.1).float()
+    advantages, returns = native.gae(rewards, values, dones, gamma, lam)
+    expected, last = torch.zeros(T, N), torch.zeros(N)
+    for t in reversed(range(T)):
+        nonterminal = 1.0 - dones[t + 1]
+        delta = rewards[t] + gamma * values[t + 1] * nonterminal - values[t]
+        expected[t] = last = delta + gamma * lam * nonterminal * last
+    torch.testing.assert_close(advantages, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(returns, expected + values[:-1], rtol=1e-5, atol=1e-5)
+
+
+def real_frames(n=8, steps=60):
+    envs = utils.ThreadedAtariEnvs("Breakout-v5", n, 1, 2, seed=1)
+    for _, obs, *_ in play(envs, 1, steps, seed=1):
+        pass
+    envs.close()
+    return obs
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fused_inference_equals_training_forward(precision):
+    torch.manual_seed(0)
+    agent = native.Agent(4).to(memory_format=torch.channels_last)
+    for p in agent.parameters():  # random weights, not the small initial heads
+        torch.nn.init.normal_(p, std=0.05)
+    obs = real_frames()
+    assert obs.float().std() > 0
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    weights = native.inference_weights(agent, dtype)
+    buf = native.inference_buffers(8, 4, dtype, torch.device("cpu"))
+    value = torch.full((8,), float("nan"))
+    native.policy_forward(weights, buf, obs, value)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        hidden = agent.network(obs.float().contiguous(memory_format=torch.channels_last) / 255.0)
+        logits, expected_value = agent.actor(hidden).float(), agent.critic(hidden).float().view(-1)
+    tolerance = 1e-5 if precision == "fp32" else 0.05
+    torch.testing.assert_close(buf.logits, logits, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(value, expected_value, rtol=tolerance, atol=tolerance)
+
+
+def test_rollout_logprobs_equal_training_logprobs():
+    """PPO's first minibatch must have ratio 1: the rollout's log-probs (fused path, folded
+    1/255, permuted Linear) equal the training network's, in float32."""
+    torch.manual_seed(0)
+    agent = native.Agent(4).to(memory_format=torch.channels_last)
+    obs = real_frames()
+    weights = native.inference_weights(agent, torch.float32)
+    buf = native.inference_buffers(8, 4, torch.float32, torch.device("cpu"))
+    value, action, logprob = torch.empty(8), torch.empty(8, dtype=torch.long), torch.empty(8)
+    native.policy_forward(weights, buf, obs, value)
+    kernels.sample_logits(buf.logits, torch.rand(8), action, logprob, buf.entropy)
+    with torch.no_grad():
+        _, newlogprob, _, newvalue = agent.get_action_and_value(obs, action)
+    ratio = (newlogprob - logprob).exp()
+    torch.testing.assert_close(ratio, torch.ones(8), rtol=0, atol=1e-5)
+    torch.testing.assert_close(value, newvalue.view(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_native_runs_and_writes_every_tag(precision, runs_dir):
+    result = run_script("ppo_atari_native.py", *TINY, "--precision", precision, "--runs-dir", runs_dir)
+    run_dir = run_dir_of(result)
+    assert run_dir.name.startswith("Breakout-v5__ppo_atari_native__1__")
+    scalars = read_scalars(run_dir)
+    assert_all_tags(scalars)
+    assert [step for step, _ in scalars["charts/SPS"]] == [256, 512, 768, 1024]
+    assert (run_dir / "model.pt").is_file()
+
+
+@pytest.mark.parametrize("extra", [["--num-gpu-batches", "1"], ["--num-gpu-batches", "8"], ["--single-threaded"]])
+def test_native_gpu_batches_and_single_threaded(extra, runs_dir):
+    args = ["--num-envs", "8", "--num-steps", "32", "--num-minibatches", "4", "--total-timesteps", "512"]
+    result = run_script("ppo_atari_native.py", *args, *extra, "--runs-dir", runs_dir)
+    scalars = read_scalars(run_dir_of(result))
+    assert_all_tags(scalars, [t for t in scalars if t.startswith("losses/")] + ["charts/SPS"])
+    assert [step for step, _ in scalars["charts/SPS"]] == [256, 512]
+
+
+def test_first_ratio_is_one_in_the_script(runs_dir):
+    """In fp32 the script's first update starts at ratio 1: old_approx_kl and clipfrac of a
+    single-minibatch, single-epoch update are zero up to rounding."""
+    args = ["--num-envs", "4", "--num-steps", "32", "--num-minibatches", "1", "--update-epochs", "1"]
+    result = run_script(
+        "ppo_atari_native.py", *args, "--total-timesteps", "128", "--precision", "fp32", "--runs-dir", runs_dir
+    )
+    scalars = read_scalars(run_dir_of(result))
+    assert abs(scalars["losses/old_approx_kl"][0][1]) < 1e-5
+    assert scalars["losses/clipfrac"][0][1] == 0.0
