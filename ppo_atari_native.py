@@ -58,7 +58,7 @@ class Args:
     """split the envs into this many independent batches, each on its own CUDA stream"""
     num_env_threads: int = os.cpu_count() or 1
     """C++ threads stepping each batch's envs"""
-    precision: str = "bf16"
+    precision: str = "fp32"
     """fp32 or bf16 (autocast and channels_last, for inference and training)"""
     profile: bool = False
     """trace iterations 2-4 with torch.profiler (trace.json, for Perfetto) and print a table of time per phase"""
