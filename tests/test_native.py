@@ -188,3 +188,20 @@ def test_first_ratio_is_one_in_the_script(runs_dir):
     scalars = read_scalars(run_dir_of(result))
     assert abs(scalars["losses/old_approx_kl"][0][1]) < 1e-5
     assert scalars["losses/clipfrac"][0][1] == 0.0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_rollout_step_allocates_nothing_outside_convs_and_launches_at_most_14(precision):
+    """Steady state: the script's own per-step work allocates zero bytes (the conv primitives
+    allocate inside ATen; the fused kernels' CPU torch reference is one Triton launch on a GPU),
+    the same bytes from one window of steps to the next, and at most 14 launches."""
+    from benchmarks import rollout_profile
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    first, second = rollout_profile.native_allocations(8, steps=24, dtype=dtype)
+    assert first[2] == 0 and second[2] == 0, f"allocations outside the convs: {first[3]} {second[3]}"
+    assert first[:2] == second[:2], "bytes per step changed between windows"
+    assert first[0] > 0  # the measurement sees the conv primitives' buffers, so it does measure
+    ops = rollout_profile.count_native(8, dtype=dtype)
+    assert len(ops) <= 14, ops
+    assert sum(op.startswith("triton:") for op in ops) == 3
