@@ -1,0 +1,129 @@
+"""Env steps/s: utils' threaded env stepping against gymnasium's vector envs and ale-py's own.
+
+Same game, envs, threads and step count for every engine; random actions; the engines are
+measured in interleaved rounds (A B C D, A B C D, ...) and the median is reported, because
+these machines are noisy. Engines:
+- utils.ThreadedAtariEnvs: ale-py's C++ vector env (stack_num=1) with the host-side episode
+  accounting and reward clipping, plus the device frame stack (here the device is the CPU).
+- ale-py AtariVectorEnv used directly, stack_num=4 (its own frame stack).
+- gymnasium SyncVectorEnv and AsyncVectorEnv of ALE v5 envs + AtariPreprocessing + 4-frame
+  stack, the baseline's env (ppo_atari_baseline.make_env).
+Run: python benchmarks/env_throughput.py [--env-id Breakout-v5 --num-envs 16 --steps 400 --rounds 3]
+"""
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import utils  # noqa: E402
+
+WARMUP = 20  # untimed vector steps first: thread start-up, first resets
+
+
+def run_utils(env_id, num_envs, threads, steps, seed=0):
+    envs = utils.ThreadedAtariEnvs(env_id, num_envs, 1, threads, seed)
+    obs = torch.zeros((2, num_envs, 4, 84, 84), dtype=torch.uint8)
+    stack = utils.DeviceFrameStack([obs[0], obs[1]], torch.device("cpu"), None)
+    stack.start(0, envs.reset())
+    rewards, dones = np.zeros(num_envs, np.float32), np.zeros(num_envs, np.float32)
+    actions = np.random.default_rng(seed).integers(envs.num_actions, size=(steps + WARMUP, num_envs))
+    for t in range(steps + WARMUP):
+        if t == WARMUP:
+            start = time.perf_counter()
+        envs.send(0, actions[t])
+        frames, ended = envs.recv(0, rewards, dones)
+        stack.push(1 - t % 2, frames, ended)  # alternate the two slots, as the rollout does
+    elapsed = time.perf_counter() - start
+    envs.close()
+    return steps * num_envs / elapsed
+
+
+def run_ale(env_id, num_envs, threads, steps, seed=0):
+    from ale_py.vector_env import AtariVectorEnv
+
+    envs = AtariVectorEnv(
+        utils.rom_id(env_id), num_envs, num_threads=threads, repeat_action_probability=0.25, stack_num=4,
+        reward_clipping=False, life_loss_info=True, autoreset_mode="SameStep",
+    )  # fmt: skip
+    envs.reset(seed=seed)
+    actions = np.random.default_rng(seed).integers(envs.single_action_space.n, size=(steps + WARMUP, num_envs))
+    for t in range(steps + WARMUP):
+        if t == WARMUP:
+            start = time.perf_counter()
+        envs.step(actions[t])
+    elapsed = time.perf_counter() - start
+    envs.close()
+    return steps * num_envs / elapsed
+
+
+def run_gymnasium(mode, env_id, num_envs, threads, steps, seed=0):
+    import gymnasium as gym
+
+    from ppo_atari_baseline import make_env
+
+    fns = [make_env(env_id, seed + i, True) for i in range(num_envs)]
+    autoreset = gym.vector.AutoresetMode.SAME_STEP
+    if mode == "async":
+        envs = gym.vector.AsyncVectorEnv(fns, autoreset_mode=autoreset)
+    else:
+        envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=autoreset)
+    envs.reset(seed=seed)
+    actions = np.random.default_rng(seed).integers(envs.single_action_space.n, size=(steps + WARMUP, num_envs))
+    for t in range(steps + WARMUP):
+        if t == WARMUP:
+            start = time.perf_counter()
+        envs.step(actions[t])
+    elapsed = time.perf_counter() - start
+    envs.close()
+    return steps * num_envs / elapsed
+
+
+ENGINES = {
+    "utils.ThreadedAtariEnvs (+ frame stack)": run_utils,
+    "ale-py AtariVectorEnv, direct": run_ale,
+    "gymnasium SyncVectorEnv + AtariPreprocessing": lambda *a: run_gymnasium("sync", *a),
+    "gymnasium AsyncVectorEnv + AtariPreprocessing": lambda *a: run_gymnasium("async", *a),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env-id", default="Breakout-v5")
+    parser.add_argument("--num-envs", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--steps", type=int, default=400, help="vector steps per measurement")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    results = {name: [] for name in ENGINES}
+    for r in range(args.rounds):
+        for name, run in ENGINES.items():
+            sps = run(args.env_id, args.num_envs, args.threads, args.steps, r)
+            results[name].append(sps)
+            print(f"round {r + 1}: {name}: {sps:,.0f} steps/s", file=sys.stderr, flush=True)
+
+    medians = {name: float(np.median(v)) for name, v in results.items()}
+    ale = medians["ale-py AtariVectorEnv, direct"]
+    gym_async = medians["gymnasium AsyncVectorEnv + AtariPreprocessing"]
+    print(
+        f"{args.env_id}, {args.num_envs} envs, {args.threads} threads, {args.steps} steps x {args.rounds} "
+        f"interleaved rounds, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
+        f"{time.strftime('%Y-%m-%d')}\n"
+    )
+    print("| engine | agent steps/s (median) | vs ale-py direct | vs gymnasium async |")
+    print("|---|---|---|---|")
+    for name, sps in medians.items():
+        print(f"| {name} | {sps:,.0f} | {sps / ale:.2f}x | {sps / gym_async:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

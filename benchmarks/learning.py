@@ -1,0 +1,164 @@
+"""Learning curves: return vs agent steps and vs wall time, for each script and seed.
+
+Runs the scripts one after another (never two at once: they would share the cores), reads
+every full-game return from their TensorBoard files, and writes
+  OUT.csv  rows (script, seed, step, wall_time_s, return)
+  OUT.png  return vs steps and return vs wall time (mean of the last 20 games, per run)
+and prints a summary: the mean return over the last 20 full games of each run, its wall time,
+and the wall time at which each run's 20-game mean first reached the baseline's final one.
+matplotlib is needed for the plot only: pip install -r benchmarks/requirements.txt
+Run: python benchmarks/learning.py --total-timesteps 500000 --seeds 1 2
+     python benchmarks/learning.py --plot-only  (redraw from OUT.csv)
+"""
+
+import argparse
+import csv
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+VARIANTS = {
+    "baseline": ("ppo_atari_baseline.py", []),
+    "native-fp32": ("ppo_atari_native.py", ["--precision", "fp32"]),
+    "native-bf16": ("ppo_atari_native.py", ["--precision", "bf16"]),
+    "a2c": ("a2c_atari.py", []),
+}
+WINDOW = 20  # games in the running mean, as in the issue's target
+
+
+def returns_of(run_dir):
+    """(step, seconds since the run's first event, return) for every full game, in order."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    rows, start = [], None
+    for path in sorted(Path(run_dir).glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            start = event.wall_time if start is None else start
+            for value in event.summary.value:
+                if value.tag == "charts/episodic_return":
+                    number = value.simple_value if value.HasField("simple_value") else None
+                    if number is None:
+                        number = float(tensor_util.make_ndarray(value.tensor))
+                    rows.append((event.step, event.wall_time - start, number))
+    return rows
+
+
+def running_mean(values, window=WINDOW):
+    values = np.asarray(values, dtype=float)
+    return np.array([values[max(0, i + 1 - window) : i + 1].mean() for i in range(len(values))])
+
+
+def train(name, seed, total_timesteps, runs_dir):
+    script, extra = VARIANTS[name]
+    command = [sys.executable, str(ROOT / script), *extra, "--seed", str(seed)]
+    command += ["--total-timesteps", str(total_timesteps), "--runs-dir", runs_dir, "--exp-name", f"{name}"]
+    print(" ".join(command[1:]), file=sys.stderr, flush=True)
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{name} seed {seed} failed:\n{result.stderr[-2000:]}")
+    run_dir = next(line for line in result.stdout.splitlines() if line.startswith("run directory: "))
+    return returns_of(run_dir.removeprefix("run directory: "))
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = {}
+    for (name, seed), run in sorted(group(rows).items()):
+        color = colors.setdefault(name, f"C{len(colors)}")
+        steps, times, returns = np.array(run).T
+        mean = running_mean(returns)
+        label = name if seed == min(s for n, s in group(rows) if n == name) else None
+        by_step.plot(steps, mean, color=color, label=label, alpha=0.9)
+        by_time.plot(times / 60, mean, color=color, label=label, alpha=0.9)
+    by_step.set_xlabel("agent steps")
+    by_time.set_xlabel("wall time (minutes)")
+    for ax in (by_step, by_time):
+        ax.set_ylabel(f"return (mean of last {WINDOW} games)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Breakout-v5, one line per seed")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def group(rows):
+    runs = {}
+    for name, seed, step, wall, ret in rows:
+        runs.setdefault((name, int(seed)), []).append((float(step), float(wall), float(ret)))
+    return runs
+
+
+def summary(rows):
+    runs = group(rows)
+    finals = {key: float(np.mean([r for _, _, r in run[-WINDOW:]])) for key, run in runs.items()}
+    base = [v for (name, _), v in finals.items() if name == "baseline"]
+    target = float(np.mean(base)) if base else None
+    lines = ["| script | seed | games | return, last 20 games | wall time | time to baseline's final return |"]
+    lines.append("|---|---|---|---|---|---|")
+    for (name, seed), run in sorted(runs.items()):
+        steps, times, returns = np.array(run).T
+        mean = running_mean(returns)
+        reached = "-"
+        if target is not None:
+            hits = np.flatnonzero(mean[WINDOW - 1 :] >= target)
+            reached = f"{times[hits[0] + WINDOW - 1] / 60:.1f} min" if len(hits) else "not reached"
+        lines.append(
+            f"| {name} | {seed} | {len(run)} | {finals[(name, seed)]:.2f} | {times[-1] / 60:.1f} min | {reached} |"
+        )
+    if target is not None:
+        lines.append(f"\nbaseline's final return (mean over its seeds of the last {WINDOW} games): {target:.2f}")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--total-timesteps", type=int, default=500_000)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learning"))
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot and summary from OUT.csv")
+    args = parser.parse_args()
+    out_csv, out_png = Path(args.out + ".csv"), Path(args.out + ".png")
+
+    if not args.plot_only:
+        rows = []
+        with tempfile.TemporaryDirectory() as runs_dir:
+            for seed in args.seeds:  # seed-major, so a cut-short benchmark still compares scripts
+                for name in args.variants:
+                    for step, wall, ret in train(name, seed, args.total_timesteps, runs_dir):
+                        rows.append((name, seed, int(step), round(wall, 2), ret))
+                    with open(out_csv, "w", newline="") as f:  # after every run: nothing is lost
+                        writer = csv.writer(f)
+                        writer.writerow(["script", "seed", "step", "wall_time_s", "return"])
+                        writer.writerows(rows)
+    with open(out_csv) as f:
+        rows = [(r["script"], r["seed"], r["step"], r["wall_time_s"], r["return"]) for r in csv.DictReader(f)]
+    print(
+        f"Breakout-v5, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), no GPU, "
+        f"{time.strftime('%Y-%m-%d')}\n"
+    )
+    print(summary(rows))
+    try:
+        plot(rows, out_png)
+        print(f"\nplot: {out_png}")
+    except ImportError:
+        print("\nno plot: matplotlib is not installed (pip install -r benchmarks/requirements.txt)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Steps/s of the three scripts, end to end and rollout only, side by side in one run.
+
+Each variant runs as a user would run it (a subprocess, Breakout-v5, the scripts' defaults
+unless listed), in interleaved rounds (A B C, A B C, ...). Steps/s is measured from the
+progress lines as they arrive, from the end of the first iteration to the end of the run,
+so start-up and the first iteration's warm-up are left out. Medians and ratios against the
+baseline are printed as a table. Rollout only = `--update-epochs 0` (collect, no learning).
+Run: python benchmarks/sps.py [--rounds 3] [--variants baseline native-fp32 ...]
+"""
+
+import argparse
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> (script, extra args, default budget in agent steps); PPO's batch is 16 x 128 = 2048
+VARIANTS = {
+    "baseline": ("ppo_atari_baseline.py", [], 4 * 2048),
+    "native-fp32": ("ppo_atari_native.py", ["--precision", "fp32"], 4 * 2048),
+    "native-bf16": ("ppo_atari_native.py", ["--precision", "bf16"], 3 * 2048),
+    "a2c": ("a2c_atari.py", ["--log-interval", "25"], 25 * 80 * 6),
+}
+ROLLOUT_ONLY = ["--update-epochs", "0"]
+PROGRESS = re.compile(r"step ([\d,]+)/")
+
+
+def measure(script, args, budget, runs_dir):
+    """Steps/s between the first and the last progress line of one run."""
+    command = [sys.executable, str(ROOT / script), *args, "--total-timesteps", str(budget), "--runs-dir", runs_dir]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    marks = []
+    for line in process.stdout:
+        match = PROGRESS.search(line)
+        if match:
+            marks.append((int(match.group(1).replace(",", "")), time.perf_counter()))
+    if process.wait() != 0 or len(marks) < 2:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{process.stderr.read()[-2000:]}")
+    (step0, t0), (step1, t1) = marks[0], marks[-1]
+    return (step1 - step0) / (t1 - t0)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--modes", nargs="+", default=["end-to-end", "rollout-only"])
+    args = parser.parse_args()
+    variants = [v for v in args.variants if (ROOT / VARIANTS[v][0]).exists()]
+
+    results = {}
+    with tempfile.TemporaryDirectory() as runs_dir:
+        for r in range(args.rounds):
+            for mode in args.modes:
+                for name in variants:
+                    script, extra, budget = VARIANTS[name]
+                    if mode == "rollout-only":
+                        if script == "a2c_atari.py":
+                            continue  # A2C's update is one pass over 80 samples: no separate rollout mode
+                        extra, budget = extra + ROLLOUT_ONLY, budget * 2
+                    sps = measure(script, extra, budget, runs_dir)
+                    results.setdefault((mode, name), []).append(sps)
+                    print(f"round {r + 1} {mode} {name}: {sps:,.0f} steps/s", file=sys.stderr, flush=True)
+
+    print(
+        f"Breakout-v5, script defaults, {args.rounds} interleaved rounds, {os.cpu_count()} cores "
+        f"({platform.processor() or platform.machine()}), no GPU, {time.strftime('%Y-%m-%d')}\n"
+    )
+    print("| mode | script | steps/s (median) | runs | vs baseline |")
+    print("|---|---|---|---|---|")
+    for mode in args.modes:
+        base = results.get((mode, "baseline"))
+        for name in variants:
+            if (mode, name) not in results:
+                continue
+            values = results[(mode, name)]
+            median = float(np.median(values))
+            ratio = f"{median / float(np.median(base)):.2f}x" if base else "-"
+            runs = ", ".join(f"{v:,.0f}" for v in values)
+            print(f"| {mode} | {name} | {median:,.0f} | {runs} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
