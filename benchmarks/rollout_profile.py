@@ -74,7 +74,8 @@ def native_setup(batch, num_actions=4, steps=64, dtype=torch.float32, seed=0):
 
     def step(t, frames, ended=(), sample=None):
         obs_t, uniform_t, action_t, logprob_t, value_t = views[t]
-        stack.push(t, frames, ended)
+        if frames is not None:  # None: obs[t] is already in place
+            stack.push(t, frames, ended)
         native.policy_forward(weights, buf, obs_t, value_t)
         (sample or kernels.sample_logits)(buf.logits, uniform_t, action_t, logprob_t, buf.entropy)
         actions_host.copy_(action_t, non_blocking=True)
