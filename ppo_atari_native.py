@@ -141,7 +141,7 @@ class Agent(nn.Module):
         x = x.contiguous(memory_format=torch.channels_last)
         hidden = self.network(x / 255.0)
         logits = self.actor(hidden)
-        probs = Categorical(logits=logits)
+        probs = Categorical(logits=logits, validate_args=False)  # NaNs reach the non-finite checks
         if action is None:
             action = probs.sample()
         return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
@@ -242,6 +242,7 @@ def gae(rewards, values, dones, gamma, gae_lambda):
 def parse_args() -> Args:
     args = tyro.cli(Args)
     utils.rom_id(args.env_id)  # unknown games fail here, with close matches
+    utils.check_capture_video(args.capture_video, args.eval_checkpoint)
     utils.check_positive(
         num_envs=args.num_envs, num_gpu_batches=args.num_gpu_batches,
         num_env_threads=args.num_env_threads, eval_episodes=args.eval_episodes,
@@ -278,6 +279,7 @@ if __name__ == "__main__":
         checkpoint = None
         if args.resume is not None:
             checkpoint = utils.load_checkpoint(args.resume, Path(__file__).name, args.env_id)
+            utils.check_resume_args(checkpoint, args)
         if args.eval_checkpoint is not None:
             evaluated = utils.load_checkpoint(args.eval_checkpoint, Path(__file__).name, args.env_id)
     except utils.UsageError as e:
@@ -334,6 +336,7 @@ if __name__ == "__main__":
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
+        optimizer.param_groups[0]["lr"] = args.learning_rate  # the command line's rate, not the saved one
         utils.set_rng_states(checkpoint["rng"])
     weights = inference_weights(agent, dtype)
 
@@ -515,17 +518,16 @@ if __name__ == "__main__":
 
                 if args.target_kl is not None and approx_kl > args.target_kl:
                     break
+            if args.update_epochs > 0:  # and the next rollout must not start from non-finite outputs
+                nonfinite |= utils.nonfinite_policy(agent, obs[T])
 
         # logging: one sync per iteration
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
         if args.update_epochs > 0:
             if bool(nonfinite):
-                writer.close()
-                envs.close()
-                utils.fail(
-                    f"non-finite loss at iteration {iteration}; the last good checkpoint "
-                    f"is {run_dir / 'checkpoint.pt'}", code=1,
-                )  # fmt: skip
+                utils.fail_diverged(
+                    "non-finite loss, weights or outputs", iteration, run_dir / "checkpoint.pt", writer, envs
+                )
             v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfracs, count, _ = stats.tolist()
             y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
             var_y = np.var(y_true)
@@ -548,13 +550,13 @@ if __name__ == "__main__":
 
         if iteration % args.save_interval == 0 or iteration == args.num_iterations:
             if not utils.all_finite(agent):
-                utils.fail(f"non-finite weights at iteration {iteration}; checkpoint not written", code=1)
+                utils.fail_diverged("non-finite weights", iteration, run_dir / "checkpoint.pt", writer, envs)
             save(iteration, global_step)
         if stop:
             break
 
-    # close: a stop saves where it is and says how to continue
-    if stop:
+    # close: a stop saves where it is and says how to continue (unless the last iteration is done)
+    if stop and iteration < args.num_iterations:
         save(iteration, global_step)
         print(utils.stopped_message(stop, global_step, run_dir / "checkpoint.pt"), flush=True)
     else:

@@ -14,6 +14,7 @@ import csv
 import difflib
 import os
 import re
+import shlex
 import signal
 import sys
 import time
@@ -83,6 +84,18 @@ def check_positive(**values):
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
+def check_capture_video(capture_video: bool, eval_checkpoint):
+    """--capture-video records --eval-checkpoint games: fail before anything starts, not after."""
+    if not capture_video:
+        return
+    if eval_checkpoint is None:
+        raise UsageError("--capture-video records evaluation games: use it with --eval-checkpoint")
+    import importlib.util
+
+    if importlib.util.find_spec("moviepy") is None:
+        raise UsageError("--capture-video needs moviepy: pip install moviepy")
+
+
 def check_precision(precision: str, device: torch.device):
     if precision not in ("fp32", "bf16"):
         raise UsageError(f"--precision {precision!r}: expected fp32 or bf16")
@@ -132,11 +145,15 @@ def save_checkpoint(path, state: dict):
     """Write atomically: temp file, fsync, rename. A crash mid-write leaves the old file intact."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a second Ctrl-C: leave no half-written temp file
+        tmp.unlink(missing_ok=True)
+        raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -153,13 +170,22 @@ def load_checkpoint(path, script: str, env_id: str | None = None) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or foreign file: say so in one line
         raise UsageError(f"checkpoint {str(path)!r} is corrupt or unreadable ({type(e).__name__})")
-    if not isinstance(state, dict) or "model" not in state or "script" not in state:
+    if not isinstance(state, dict) or not {"model", "script", "env_id"} <= state.keys():
         raise UsageError(f"checkpoint {str(path)!r} was not written by these scripts")
     if state["script"] != script:
         raise UsageError(f"checkpoint {str(path)!r} is from {state['script']}, not {script}")
     if env_id is not None and game_name(state["env_id"]) != game_name(env_id):
         raise UsageError(f"checkpoint {str(path)!r} is for {state['env_id']}, not {env_id}")
     return state
+
+
+def check_resume_args(checkpoint: dict, args, names=("num_envs", "num_steps", "total_timesteps")):
+    """A resumed run keeps what maps iterations to steps and sets the learning-rate schedule."""
+    saved = checkpoint.get("args", {})
+    for name in names:
+        if name in saved and saved[name] != getattr(args, name):
+            flag, value = f"--{name.replace('_', '-')}", getattr(args, name)
+            raise UsageError(f"{flag} {value} differs from the checkpoint's {saved[name]}: resume with the same value")
 
 
 def rng_states() -> dict:
@@ -207,12 +233,36 @@ def stopped_message(stop, global_step, checkpoint_path) -> str:
             skip = arg == "--resume"
             continue
         argv.append(arg)
-    command = " ".join(["python", Path(sys.argv[0]).name, *argv, "--resume", str(checkpoint_path)])
+    command = shlex.join(["python", Path(sys.argv[0]).name, *argv, "--resume", str(checkpoint_path)])
     return f"stopped by {stop.received} at step {global_step:,}; resume with: {command}"
 
 
 def all_finite(module: torch.nn.Module) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+@torch.no_grad()
+def nonfinite_policy(agent, obs) -> torch.Tensor:
+    """A bool tensor, on the device and not synced: are any weights, or the policy's log-probs,
+    entropies and values on `obs`, non-finite? Checked after every update: a diverged update
+    can leave weights so large that the next forward overflows, and the rollout would then
+    sample from NaNs and a checkpoint keep them."""
+    actions = torch.zeros(obs.shape[0], dtype=torch.long, device=obs.device)
+    _, logprob, entropy, value = agent.get_action_and_value(obs, actions)
+    weights = torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
+    return ~(weights & torch.isfinite(torch.cat([logprob, entropy, value.view(-1)])).all())
+
+
+def fail_diverged(what: str, iteration: int, checkpoint_path, *to_close):
+    """Training went non-finite: close the writer and envs (flushing the logs), say where the
+    last good checkpoint is, if there is one yet, and exit 1."""
+    for resource in to_close:
+        resource.close()
+    if Path(checkpoint_path).is_file():
+        last = f"the last good checkpoint is {checkpoint_path}"
+    else:
+        last = "no checkpoint was written yet"
+    fail(f"{what} at iteration {iteration}; {last}", code=1)
 
 
 # ----------------------------------------------------------------------------- evaluation

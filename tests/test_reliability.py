@@ -1,0 +1,455 @@
+"""Reliability, for every training script: stop on SIGINT/SIGTERM and resume to the same end,
+atomic checkpoints, one clear line for each bad input, evaluation, and a clean stop when
+training goes non-finite."""
+
+import hashlib
+import importlib.util
+import io
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import ROOT, read_scalars, run_dir_of, run_script
+
+import utils
+
+# per script: tiny arguments (several iterations), the batch, and how often it logs (iterations)
+CONFIGS = {
+    "ppo_atari_baseline.py": SimpleNamespace(
+        args=["--num-envs", "4", "--num-steps", "16", "--num-minibatches", "2", "--total-timesteps", "320"],
+        batch=64, log_every=1, minibatches=True, gpu_batches=False,
+    ),
+    "ppo_atari_native.py": SimpleNamespace(
+        args=["--num-envs", "4", "--num-steps", "16", "--num-minibatches", "2", "--total-timesteps", "320"],
+        batch=64, log_every=1, minibatches=True, gpu_batches=True,
+    ),
+    "a2c_atari.py": SimpleNamespace(
+        args=["--num-envs", "4", "--num-steps", "5", "--total-timesteps", "2000", "--log-interval", "20"],
+        batch=20, log_every=20, minibatches=False, gpu_batches=True,
+    ),
+}  # fmt: skip
+SCRIPTS = [s for s in CONFIGS if (ROOT / s).exists()]
+PER_ITERATION_TAGS = ["charts/SPS", "charts/learning_rate", "losses/value_loss"]
+STOPPED = re.compile(r"stopped by (SIGINT|SIGTERM) at step ([\d,]+); resume with: (.+)")
+
+
+def budget(script) -> int:
+    config = CONFIGS[script]
+    total = int(config.args[config.args.index("--total-timesteps") + 1])
+    return total // config.batch * config.batch
+
+
+def script_env():
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+# ----------------------------------------------------------------------------- processes
+def process_table() -> dict:
+    """pid -> (parent pid, state, start time) of every process, from /proc."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            table[int(entry)] = (int(fields[1]), fields[0], fields[19])
+    return table
+
+
+def descendants(pid) -> set:
+    """(pid, start time) of every process below pid: the start time tells a reused pid apart."""
+    table, found, todo = process_table(), set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for child, (ppid, _, start) in table.items():
+            if ppid == parent and (child, start) not in found:
+                found.add((child, start))
+                todo.append(child)
+    return found
+
+
+def still_running(processes) -> list:
+    table = process_table()
+    return [pid for pid, start in processes if pid in table and table[pid][2] == start and table[pid][1] != "Z"]
+
+
+def start_and_stop(script, args, sig, to_group, timeout=400):
+    """Start a training run, wait for its first progress line, send `sig` (to its process
+    group, as Ctrl-C in a terminal does, or to the main process only, as `kill` does) and
+    wait for it to exit. Returns what happened, with the processes it had started."""
+    stderr = io.StringIO()
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=script_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    reader = threading.Thread(target=lambda: stderr.write(proc.stderr.read()))
+    reader.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "SPS:" in line:
+                break
+        assert proc.poll() is None, f"{script} exited before it could be stopped:\n{''.join(lines)}"
+        children = descendants(proc.pid)
+        (os.killpg if to_group else os.kill)(proc.pid, sig)
+        lines.append(proc.stdout.read())
+        proc.wait()
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+        reader.join()
+    deadline = time.monotonic() + 10
+    while still_running(children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    stdout = "".join(lines)
+    run_dir = run_dir_of(SimpleNamespace(stdout=stdout))
+    try:  # now, before a resumed run overwrites it
+        checkpoint = utils.load_checkpoint(run_dir / "checkpoint.pt", script)
+    except utils.UsageError as e:
+        checkpoint = str(e)
+    return SimpleNamespace(
+        returncode=proc.returncode, stdout=stdout, stderr=stderr.getvalue(), run_dir=run_dir,
+        children=children, orphans=still_running(children), checkpoint=checkpoint,
+    )  # fmt: skip
+
+
+def assert_stopped_cleanly(stopped, script, signame):
+    assert stopped.returncode == 0, f"exit {stopped.returncode}\n{stopped.stdout[-2000:]}\n{stopped.stderr[-2000:]}"
+    assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    messages = [line for line in stopped.stdout.splitlines() if line.startswith("stopped by")]
+    assert len(messages) == 1, stopped.stdout[-2000:]
+    match = STOPPED.fullmatch(messages[0])
+    assert match and match.group(1) == signame, messages[0]
+    step = int(match.group(2).replace(",", ""))
+    checkpoint = stopped.checkpoint
+    assert isinstance(checkpoint, dict), checkpoint
+    # the unfinished rollout was abandoned: the checkpoint is the last full iteration
+    assert checkpoint["global_step"] == step == checkpoint["iteration"] * CONFIGS[script].batch
+    assert step < budget(script), "the run ended before the signal: give it a bigger budget"
+    assert not stopped.orphans, f"processes left behind: {stopped.orphans}"
+    return step, shlex.split(match.group(3))
+
+
+@pytest.fixture(scope="module", params=SCRIPTS)
+def stopped_and_resumed(request, tmp_path_factory):
+    """Per script: a run stopped by Ctrl-C (SIGINT to the process group) after its first progress
+    line, a copy of the checkpoint that stop wrote, and the printed resume command run to the end."""
+    script = request.param
+    runs_dir = tmp_path_factory.mktemp(f"stop-{Path(script).stem}")
+    stopped = start_and_stop(script, [*CONFIGS[script].args, "--runs-dir", runs_dir], signal.SIGINT, to_group=True)
+    pristine = tmp_path_factory.mktemp(f"pristine-{Path(script).stem}") / "checkpoint.pt"
+    if (stopped.run_dir / "checkpoint.pt").is_file():
+        shutil.copy(stopped.run_dir / "checkpoint.pt", pristine)
+    resumed = None
+    match = STOPPED.search(stopped.stdout)
+    if match:
+        command = shlex.split(match.group(3))
+        resumed = run_script(command[1], *command[2:], check=False)
+    return SimpleNamespace(script=script, stopped=stopped, resumed=resumed, pristine=pristine)
+
+
+# ----------------------------------------------------------------------------- 1. stop and resume
+def test_sigint_then_resume_ends_where_an_uninterrupted_run_does(stopped_and_resumed):
+    script, stopped, resumed = stopped_and_resumed.script, stopped_and_resumed.stopped, stopped_and_resumed.resumed
+    step, command = assert_stopped_cleanly(stopped, script, "SIGINT")
+    if script == "ppo_atari_baseline.py":
+        assert len(stopped.children) >= 4, "async mode: one worker process per env"
+    assert command[:2] == ["python", script] and command[-2:] == ["--resume", str(stopped.run_dir / "checkpoint.pt")]
+
+    assert resumed.returncode == 0, f"{resumed.stdout[-2000:]}\n{resumed.stderr[-3000:]}"
+    assert run_dir_of(resumed) == stopped.run_dir  # the same run continues
+    assert (stopped.run_dir / "model.pt").is_file()
+    assert utils.load_checkpoint(stopped.run_dir / "model.pt", script)["global_step"] == budget(script)
+
+    scalars = read_scalars(stopped.run_dir)
+    assert len(list(stopped.run_dir.glob("events.out.tfevents.*"))) == 2
+    config = CONFIGS[script]
+    iterations = budget(script) // config.batch
+    expected = [i * config.batch for i in range(1, iterations + 1) if i % config.log_every == 0 or i == iterations]
+    sps_steps = [s for s, _ in scalars["charts/SPS"]]
+    assert sps_steps == expected, f"stopped at {step}: {sps_steps}"  # as an uninterrupted run
+    for tag in PER_ITERATION_TAGS:
+        steps = [s for s, _ in scalars[tag]]
+        assert len(steps) == len(set(steps)), f"{tag} has duplicated steps: {steps}"
+
+
+@pytest.mark.skipif("ppo_atari_baseline.py" not in SCRIPTS, reason="needs the baseline")
+def test_sigterm_stops_cleanly_and_ends_the_env_workers(tmp_path):
+    """SIGTERM to the main process only (as `kill` or `timeout` send it); the async env
+    workers must go with it."""
+    script = "ppo_atari_baseline.py"
+    args = [*CONFIGS[script].args, "--vector-mode", "async", "--runs-dir", tmp_path]
+    stopped = start_and_stop(script, args, signal.SIGTERM, to_group=False)
+    assert len(stopped.children) >= 4
+    assert_stopped_cleanly(stopped, script, "SIGTERM")
+
+
+# ----------------------------------------------------------------------------- 2. checkpoints
+KILLED_WRITER = r"""
+import io, os, signal, sys
+import torch
+sys.path.insert(0, sys.argv[2])
+import utils
+
+def state(marker):
+    weights = torch.full((4_000_000,), float(marker))  # 16 MB: a write that takes a while
+    return {"script": "ppo_atari_baseline.py", "env_id": "Breakout-v5", "model": {"w": weights}, "iteration": marker}
+
+utils.save_checkpoint(sys.argv[1], state(1))
+real_save = torch.save
+
+def save_half_then_die(obj, f):  # the machine goes down half-way through the write
+    buffer = io.BytesIO()
+    real_save(obj, buffer)
+    f.write(buffer.getvalue()[: buffer.tell() // 2])
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+torch.save = save_half_then_die
+utils.save_checkpoint(sys.argv[1], state(2))
+"""
+
+
+def test_checkpoint_write_killed_half_way_leaves_the_previous_one(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, str(path), str(ROOT)], capture_output=True, timeout=120
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+    assert [p.name for p in tmp_path.glob(".checkpoint.pt.tmp*")], "the second write never started"
+    state = utils.load_checkpoint(path, "ppo_atari_baseline.py", "Breakout-v5")
+    assert state["iteration"] == 1 and bool((state["model"]["w"] == 1).all())
+
+
+def test_checkpoint_write_that_fails_leaves_no_temp_file(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    good = {"script": "ppo_atari_baseline.py", "env_id": "Breakout-v5", "model": {}, "iteration": 1}
+    utils.save_checkpoint(path, good)
+
+    def disk_full(obj, f):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError):
+        utils.save_checkpoint(path, {**good, "iteration": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert utils.load_checkpoint(path, "ppo_atari_baseline.py")["iteration"] == 1
+
+
+def test_load_checkpoint_refuses_bad_files_by_name(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    utils.save_checkpoint(
+        path, {"script": "ppo_atari_native.py", "env_id": "Pong-v5", "model": {"w": torch.ones(1000)}}
+    )
+    data = path.read_bytes()
+    cases = {
+        "truncated.pt": (data[: len(data) // 2], "corrupt"),
+        "empty.pt": (b"", "corrupt"),
+        "text.pt": (b"not a checkpoint\n", "corrupt"),
+    }
+    for name, (content, text) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(utils.UsageError, match=text):
+            utils.load_checkpoint(tmp_path / name, "ppo_atari_native.py")
+    torch.save({"model": {}}, tmp_path / "foreign.pt")
+    with pytest.raises(utils.UsageError, match="not written by these scripts"):
+        utils.load_checkpoint(tmp_path / "foreign.pt", "ppo_atari_native.py")
+    with pytest.raises(utils.UsageError, match="is from ppo_atari_native.py, not ppo_atari_baseline.py"):
+        utils.load_checkpoint(path, "ppo_atari_baseline.py", "Pong-v5")
+    with pytest.raises(utils.UsageError, match="is for Pong-v5, not Breakout-v5"):
+        utils.load_checkpoint(path, "ppo_atari_native.py", "Breakout-v5")
+    with pytest.raises(utils.UsageError, match="does not exist"):
+        utils.load_checkpoint(tmp_path / "missing.pt", "ppo_atari_native.py")
+    assert utils.load_checkpoint(path, "ppo_atari_native.py", "ALE/Pong-v5")["env_id"] == "Pong-v5"
+
+
+def test_resume_command_survives_spaces_and_drops_the_old_resume(monkeypatch):
+    argv = ["/x/ppo_atari_baseline.py", "--runs-dir", "/tmp/my runs", "--resume", "old.pt", "--seed", "2"]
+    monkeypatch.setattr(sys, "argv", argv)
+    message = utils.stopped_message(SimpleNamespace(received="SIGINT"), 1234, Path("/tmp/my runs/r/checkpoint.pt"))
+    match = STOPPED.fullmatch(message)
+    assert match and match.group(2) == "1,234"
+    assert shlex.split(match.group(3)) == [
+        "python", "ppo_atari_baseline.py", "--runs-dir", "/tmp/my runs", "--seed", "2",
+        "--resume", "/tmp/my runs/r/checkpoint.pt",
+    ]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- 3. bad input
+def bad_inputs(script):
+    """(case, arguments, text the one error line must contain); {files} is a folder of fake
+    checkpoints made by `bad_input_results`."""
+    config = CONFIGS[script]
+    other = "ppo_atari_native.py" if script == "ppo_atari_baseline.py" else "ppo_atari_baseline.py"
+    cases = [
+        ("unknown-game", ["--env-id", "Breakoutt-v5"], "did you mean Breakout-v5"),
+        ("no-envs", ["--num-envs", "0"], "--num-envs must be positive"),
+        ("budget-below-one-batch", ["--num-steps", "8", "--total-timesteps", "16"], "below one batch"),
+        ("device-tpu", ["--device", "tpu"], "--device 'tpu'"),
+        ("resume-missing", ["--resume", "{files}/missing.pt"], "does not exist"),
+        ("resume-corrupt", ["--resume", "{files}/corrupt.pt"], "corrupt"),
+        ("resume-other-script", ["--resume", f"{{files}}/{other}"], f"is from {other}"),
+        ("resume-other-game", ["--resume", f"{{files}}/pong-{script}"], "is for Pong-v5"),
+        ("resume-other-num-envs", ["--resume", f"{{files}}/8-envs-{script}"], "--num-envs 4 differs"),  # tiny: 4
+        ("eval-missing", ["--eval-checkpoint", "{files}/missing.pt"], "does not exist"),
+        ("video-without-eval", ["--capture-video"], "--eval-checkpoint"),
+    ]  # fmt: skip
+    if not torch.cuda.is_available():
+        cases.append(("device-cuda", ["--device", "cuda"], "CUDA is not available"))
+    if importlib.util.find_spec("moviepy") is None:
+        cases.append(
+            ("video-without-moviepy", ["--eval-checkpoint", f"{{files}}/{script}", "--capture-video"], "moviepy")
+        )
+    if config.minibatches:
+        cases.append(
+            ("minibatches", ["--num-envs", "4", "--num-steps", "5", "--num-minibatches", "3"], "--num-minibatches 3")
+        )
+    if config.gpu_batches:
+        cases.append(("gpu-batches", ["--num-envs", "6", "--num-gpu-batches", "4"], "--num-gpu-batches 4"))
+        cases.append(("precision-fp16", ["--precision", "fp16"], "--precision 'fp16'"))
+    return cases
+
+
+BAD_INPUTS = [(script, *case) for script in SCRIPTS for case in bad_inputs(script)]
+
+
+@pytest.fixture(scope="module")
+def bad_input_results(tmp_path_factory):
+    """Every bad-input run, two at a time (they are mostly Python start-up). Each gets the tiny
+    arguments first (a later flag wins), so a missing check ends in a short run, not a long one."""
+    files = tmp_path_factory.mktemp("fake-checkpoints")
+    runs_dir = tmp_path_factory.mktemp("bad-input-runs")
+    (files / "corrupt.pt").write_bytes(b"PK\x03\x04 not really a zip file")
+    for script in CONFIGS:
+        torch.save({"script": script, "env_id": "Breakout-v5", "model": {}}, files / script)
+        torch.save({"script": script, "env_id": "Pong-v5", "model": {}}, files / f"pong-{script}")
+        state = {"script": script, "env_id": "Breakout-v5", "model": {}, "args": {"num_envs": 8}}
+        torch.save(state, files / f"8-envs-{script}")
+
+    def run(case):
+        script, name, args, _ = case
+        start = time.monotonic()
+        args = [*CONFIGS[script].args, "--runs-dir", runs_dir, *(a.format(files=files) for a in args)]
+        result = run_script(script, *args, timeout=300, check=False)
+        return (script, name), (result, time.monotonic() - start)
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(pool.map(run, BAD_INPUTS))
+
+
+@pytest.mark.parametrize("script, case, args, text", BAD_INPUTS, ids=[f"{s}-{c}" for s, c, *_ in BAD_INPUTS])
+def test_bad_input_is_one_line_and_exit_2_before_anything_starts(bad_input_results, script, case, args, text):
+    result, seconds = bad_input_results[script, case]
+    assert result.returncode == 2, f"exit {result.returncode}\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}"
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
+    assert text in lines[0]
+    assert "run directory" not in result.stdout  # nothing was started
+    assert seconds < 15, f"took {seconds:.1f}s: the check must come before the envs start"
+
+
+def test_bf16_on_a_cuda_device_without_it_is_refused(monkeypatch):
+    """Simulated: the CUDA branch of check_precision names the device."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
+    with pytest.raises(utils.UsageError, match="--precision bf16: not supported by Tesla T4"):
+        utils.check_precision("bf16", torch.device("cuda"))
+    utils.check_precision("bf16", torch.device("cpu"))  # CPUs run bf16 (slowly without AVX-512)
+
+
+# ----------------------------------------------------------------------------- 4. evaluation
+EVALUATION = re.compile(
+    r"evaluation Breakout-v5: (\d+) games  mean (-?[\d.]+)  std ([\d.]+)  human-normalized (-?[\d.]+)"
+)
+
+
+def test_evaluation_reports_mean_std_and_human_normalized_score(stopped_and_resumed):
+    script, run_dir = stopped_and_resumed.script, stopped_and_resumed.stopped.run_dir
+    if not (run_dir / "model.pt").is_file():
+        pytest.fail("the resumed run wrote no model.pt (see the stop-and-resume test)")
+    result = run_script(script, "--eval-checkpoint", run_dir / "model.pt", "--eval-episodes", "2", timeout=300)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("evaluation ")]
+    assert len(lines) == 1, result.stdout[-2000:]
+    match = EVALUATION.fullmatch(lines[0])
+    assert match, lines[0]
+    games, mean, std, normalized = int(match.group(1)), *map(float, match.groups()[1:])
+    assert games == 2 and mean >= 0 and std >= 0
+    # Breakout: random 1.7, human 30.5; the mean is printed to 2 decimals, the score to 3
+    assert normalized == pytest.approx((mean - 1.7) / (30.5 - 1.7), abs=0.0005 + 0.005 / 28.8)
+
+
+# ----------------------------------------------------------------------------- 5. non-finite
+def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(stopped_and_resumed, tmp_path):
+    """Resume a good checkpoint with --learning-rate 1e30: the first update sends the weights to
+    about 1e30, and the next forward overflows. The run must stop in that iteration, before the
+    next rollout or a checkpoint (--save-interval 1) uses those weights. --no-anneal-lr: the
+    command line's rate applies on resume even when no schedule sets it each iteration."""
+    script, pristine = stopped_and_resumed.script, stopped_and_resumed.pristine
+    if not pristine.is_file():
+        pytest.fail("the stopped run wrote no checkpoint (see the stop-and-resume test)")
+    checkpoint = tmp_path / "checkpoint.pt"
+    shutil.copy(pristine, checkpoint)
+    digest = hashlib.sha256(checkpoint.read_bytes()).hexdigest()
+    good = utils.load_checkpoint(checkpoint, script)
+    args = [*CONFIGS[script].args, "--learning-rate", "1e30", "--no-anneal-lr", "--save-interval", "1"]
+    result = run_script(script, *args, "--resume", checkpoint, check=False)
+    assert result.returncode == 1, f"exit {result.returncode}\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}"
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    iteration = good["iteration"] + 1
+    assert re.fullmatch(rf"error: non-finite .* at iteration {iteration}; the last good checkpoint is .*", errors[0])
+    assert str(checkpoint) in errors[0]
+    assert hashlib.sha256(checkpoint.read_bytes()).hexdigest() == digest
+    assert utils.load_checkpoint(checkpoint, script)["iteration"] == good["iteration"]
+    assert not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.skipif("ppo_atari_baseline.py" not in SCRIPTS, reason="needs the baseline")
+def test_non_finite_after_the_last_minibatch_is_caught_before_the_rollout(runs_dir):
+    """One optimizer step per iteration: the loss that made the weights huge was finite, so only
+    the check after the update stands between them and the baseline's sampler (which raises on
+    NaN probabilities). Nothing was saved yet, and the message says so."""
+    args = ["--num-minibatches", "1", "--update-epochs", "1", "--learning-rate", "1e30", "--save-interval", "1"]
+    result = run_script(
+        "ppo_atari_baseline.py", *CONFIGS["ppo_atari_baseline.py"].args, *args, "--runs-dir", runs_dir, check=False
+    )
+    assert result.returncode == 1, f"exit {result.returncode}\n{result.stderr[-3000:]}"
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: non-finite weights or outputs at iteration 1; no checkpoint was written yet"]
+    assert not list(run_dir_of(result).glob("*.pt"))
+
+
+def test_nonfinite_policy_sees_nan_weights_and_overflowing_outputs():
+    from ppo_atari_baseline import Agent
+
+    torch.manual_seed(0)
+    agent, obs = Agent(4), torch.randint(0, 256, (3, 4, 84, 84), dtype=torch.uint8)
+    assert not utils.nonfinite_policy(agent, obs)
+    with torch.no_grad():
+        for p in agent.parameters():
+            p.copy_(p.sign() * 1e30)  # finite weights, overflowing outputs
+    assert utils.all_finite(agent) and utils.nonfinite_policy(agent, obs)
+    with torch.no_grad():
+        agent.critic.bias.fill_(float("nan"))
+    assert utils.nonfinite_policy(agent, obs)
