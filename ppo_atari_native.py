@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.optim as optim
 import tyro
@@ -64,16 +65,18 @@ class Args:
     """trace iterations 2-4 with torch.profiler (trace.json, for Perfetto) and print a table of time per phase"""
     single_threaded: bool = False
     """step each batch's envs to completion before the next (one env thread, no overlap), for debugging"""
+    backend: str | None = None
+    """torch.distributed backend under torchrun (default: nccl on CUDA, gloo on CPU)"""
 
     # Algorithm specific arguments
     env_id: str = "Breakout-v5"
     """the id of the game: Breakout-v5 or ALE/Breakout-v5 (any ale-py game)"""
     total_timesteps: int = 10_000_000
-    """total agent steps of the experiment (each is 4 frames)"""
+    """total agent steps of the experiment (each is 4 frames; under torchrun, of all ranks together)"""
     learning_rate: float = 2.5e-4
     """the learning rate of the optimizer"""
     num_envs: int = 16
-    """the number of parallel game environments"""
+    """the number of parallel game environments (under torchrun, per rank)"""
     num_steps: int = 128
     """the number of steps to run in each environment per policy rollout"""
     anneal_lr: bool = True
@@ -264,11 +267,42 @@ def parse_args() -> Args:
             f"batch size {args.batch_size} (num_envs x num_steps) is not divisible by "
             f"--num-minibatches {args.num_minibatches}"
         )
-    if args.eval_checkpoint is None and args.total_timesteps < args.batch_size:
-        raise utils.UsageError(f"--total-timesteps {args.total_timesteps} is below one batch ({args.batch_size} steps)")
+    # under torchrun every rank collects a batch per iteration
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.eval_checkpoint is None and args.total_timesteps < args.batch_size * world_size:
+        raise utils.UsageError(
+            f"--total-timesteps {args.total_timesteps} is below one batch ({args.batch_size * world_size} steps)"
+        )
+    if args.backend not in (None, "gloo", "nccl", "mpi"):
+        raise utils.UsageError(f"--backend {args.backend!r}: expected gloo, nccl or mpi")
     args.minibatch_size = int(args.batch_size // args.num_minibatches)
-    args.num_iterations = args.total_timesteps // args.batch_size
+    args.num_iterations = args.total_timesteps // (args.batch_size * world_size)
     return args
+
+
+class NoWriter:
+    """What ranks other than 0 get instead of a SummaryWriter: only rank 0 logs."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    def add_text(self, *args, **kwargs):
+        pass
+
+    def close(self):
+        pass
+
+
+def all_reduce_gradients(parameters, world_size):
+    """Average the gradients over the ranks: one all-reduce of one flat buffer per minibatch."""
+    grads = [p.grad for p in parameters]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world_size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 if __name__ == "__main__":
@@ -285,6 +319,17 @@ if __name__ == "__main__":
     except utils.UsageError as e:
         utils.fail(str(e))
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+
+    # torchrun: one process per GPU (or per CPU process), each with its own envs; gradients
+    # are averaged every minibatch, only rank 0 logs and saves. Without torchrun: one process.
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.eval_checkpoint is None
+    rank, world_size = 0, 1
+    if distributed:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+        dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"))
+        rank, world_size = dist.get_rank(), dist.get_world_size()
 
     # seeding
     random.seed(args.seed)
@@ -313,15 +358,18 @@ if __name__ == "__main__":
     else:
         run_dir = Path(args.runs_dir) / utils.run_name(args)
         start_iteration, global_step = 0, 0
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # purge_step drops events a crashed run wrote after its last checkpoint
-    writer = SummaryWriter(str(run_dir), purge_step=global_step if checkpoint else None)
-    if checkpoint is None:
-        writer.add_text("hyperparameters", utils.hyperparameters_text(args))
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # purge_step drops events a crashed run wrote after its last checkpoint
+        writer = SummaryWriter(str(run_dir), purge_step=global_step if checkpoint else None)
+        if checkpoint is None:
+            writer.add_text("hyperparameters", utils.hyperparameters_text(args))
+    else:
+        writer = NoWriter()
     stop = utils.StopSignal()
 
     # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
-    env_seed = args.seed + 1_000_003 * start_iteration
+    env_seed = args.seed + 1_000_003 * start_iteration + 10_007 * rank
     envs = utils.ThreadedAtariEnvs(
         args.env_id, args.num_envs, args.num_gpu_batches,
         1 if args.single_threaded else args.num_env_threads, env_seed,
@@ -338,9 +386,15 @@ if __name__ == "__main__":
         optimizer.load_state_dict(checkpoint["optimizer"])
         optimizer.param_groups[0]["lr"] = args.learning_rate  # the command line's rate, not the saved one
         utils.set_rng_states(checkpoint["rng"])
+    if distributed:  # identical weights everywhere, then each rank samples its own actions
+        for tensor in agent.state_dict().values():
+            dist.broadcast(tensor, src=0)
+        torch.manual_seed(args.seed + 7_919 * rank + start_iteration)
     weights = inference_weights(agent, dtype)
 
     def save(iteration, step, path=run_dir / "checkpoint.pt"):
+        if rank != 0:
+            return
         state = {
             "script": Path(__file__).name, "env_id": args.env_id, "args": vars(args),
             "num_actions": num_actions, "model": agent.state_dict(),
@@ -399,7 +453,8 @@ if __name__ == "__main__":
         stacks[b].start(T, frames)
     dones_host_np[T] = 0
     iteration = start_iteration
-    print(f"run directory: {run_dir}", flush=True)
+    if rank == 0:
+        print(f"run directory: {run_dir}", flush=True)
     profiler = utils.make_profiler(args.profile, run_dir, device)
     timer = utils.PhaseTimer(args.profile, device)
 
@@ -417,7 +472,7 @@ if __name__ == "__main__":
         obs[0].copy_(obs[T])
         dones_host_np[0] = dones_host_np[T]
         for step in range(T + 1):
-            if stop:
+            if stop and not distributed:  # ranks stay in lockstep: they stop after the update
                 break
             for b in range(num_batches):
                 if step > 0:
@@ -435,8 +490,8 @@ if __name__ == "__main__":
                 if step < T:  # the step after the horizon only gives the bootstrap value
                     envs.send(b, actions_host_np[b])
             if step < T:
-                global_step += N
-        if stop:  # abandon the unfinished rollout: the checkpoint is the last full iteration
+                global_step += N * world_size
+        if stop and not distributed:  # abandon the unfinished rollout: the checkpoint is the last full iteration
             iteration, global_step = iteration - 1, iteration_start_step
             break
 
@@ -508,6 +563,8 @@ if __name__ == "__main__":
 
                     optimizer.zero_grad()
                     loss.backward()
+                    if distributed:
+                        all_reduce_gradients(agent.parameters(), world_size)
                     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
                     optimizer.step()
                     with torch.no_grad():  # the last minibatch's losses, the epoch's clipfracs
@@ -520,6 +577,13 @@ if __name__ == "__main__":
                     break
             if args.update_epochs > 0:  # and the next rollout must not start from non-finite outputs
                 nonfinite |= utils.nonfinite_policy(agent, obs[T])
+
+        if distributed:  # every rank stops, or diverges, together
+            flags = torch.stack([torch.tensor(float(bool(stop)), device=device), nonfinite.float()])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            nonfinite = flags[1] > 0
+            if flags[0] > 0 and not stop:
+                stop.received = "a signal on another rank"
 
         # logging: one sync per iteration
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
@@ -540,7 +604,8 @@ if __name__ == "__main__":
             writer.add_scalar("losses/clipfrac", clipfracs / count, global_step)
             writer.add_scalar("losses/explained_variance", explained_var, global_step)
         writer.add_scalar("charts/SPS", progress.sps(global_step), global_step)
-        print(progress.line(iteration, args.num_iterations, global_step), flush=True)
+        if rank == 0:
+            print(progress.line(iteration, args.num_iterations, global_step), flush=True)
         if profiler is not None:
             profiler.step()
             if iteration == start_iteration + 4:
@@ -558,9 +623,18 @@ if __name__ == "__main__":
     # close: a stop saves where it is and says how to continue (unless the last iteration is done)
     if stop and iteration < args.num_iterations:
         save(iteration, global_step)
-        print(utils.stopped_message(stop, global_step, run_dir / "checkpoint.pt"), flush=True)
-    else:
+        if rank == 0:
+            print(utils.stopped_message(stop, global_step, run_dir / "checkpoint.pt"), flush=True)
+    elif rank == 0:
         save(iteration, global_step, run_dir / "model.pt")
         print(f"saved {run_dir / 'model.pt'}", flush=True)
+    if distributed:  # a cheap guard against silent desync: compare every rank's weights
+        flat = torch.cat([p.detach().reshape(-1) for p in agent.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world_size)]
+        dist.all_gather(gathered, flat)
+        if rank == 0:
+            identical = all(torch.equal(g, gathered[0]) for g in gathered)
+            print(f"weights identical on all {world_size} ranks: {identical}", flush=True)
+        dist.destroy_process_group()
     envs.close()
     writer.close()
