@@ -1,0 +1,561 @@
+"""A2C on Atari, on the same fast rollout machinery as ppo_atari_native.py.
+
+A2C (synchronous advantage actor-critic) with rl-zoo's Atari settings: 16 envs, 5 steps per
+update, n-step returns (GAE with lambda 1), one gradient step per rollout, RMSprop with the
+TensorFlow-style epsilon at a constant learning rate, no advantage normalization.
+
+The rollout is ppo_atari_native.py's, unchanged:
+- Envs are stepped by ale-py's C++ threads (utils.ThreadedAtariEnvs), which release the GIL.
+- The envs are split into --num-gpu-batches fixed batches, each with its own CUDA stream and
+  buffers: while one batch's envs step, Python runs inference for the next batch.
+- Only the newest 84x84 frame crosses to the device; the 4-frame stack lives there.
+- Inference has no autograd and allocates nothing: fused kernels (kernels.py) sample
+  straight into the rollout storage.
+- --precision bf16 runs inference and training in bfloat16 (autocast, channels_last).
+What is A2C's own: the update (one pass over the 80 samples, log-probs recomputed with
+autograd), the RMSprop-TF optimizer below, and logging every --log-interval iterations
+(an iteration is only 80 agent steps).
+Run: python a2c_atari.py --env-id Breakout-v5
+"""
+
+import os
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+from torch.distributions.categorical import Categorical
+from torch.utils.tensorboard import SummaryWriter
+
+import kernels
+import utils
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """the name of this experiment (part of the run directory's name)"""
+    seed: int = 1
+    """seed of the experiment (python, numpy, torch and the envs)"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    device: str = "auto"
+    """auto (CUDA if available, else CPU), cpu, cuda or cuda:N"""
+    runs_dir: str = "runs"
+    """where run directories are created"""
+    save_interval: int = 2500
+    """write a checkpoint every this many iterations (and at the end)"""
+    log_interval: int = 100
+    """write losses, SPS and the progress line every this many iterations (and at the end)"""
+    resume: str | None = None
+    """path of a checkpoint.pt to continue from, in its own run directory"""
+    eval_checkpoint: str | None = None
+    """evaluate this checkpoint or model.pt instead of training"""
+    eval_episodes: int = 10
+    """number of full games played by --eval-checkpoint"""
+    capture_video: bool = False
+    """record the evaluation games to videos/ in the run directory (needs moviepy)"""
+    num_gpu_batches: int = 2
+    """split the envs into this many independent batches, each on its own CUDA stream"""
+    num_env_threads: int = os.cpu_count() or 1
+    """C++ threads stepping each batch's envs"""
+    precision: str = "fp32"
+    """fp32 or bf16 (autocast and channels_last, for inference and training)"""
+    profile: bool = False
+    """trace iterations 2-4 with torch.profiler (trace.json, for Perfetto) and print a table of time per phase"""
+    single_threaded: bool = False
+    """step each batch's envs to completion before the next (one env thread, no overlap), for debugging"""
+
+    # Algorithm specific arguments
+    env_id: str = "Breakout-v5"
+    """the id of the game: Breakout-v5 or ALE/Breakout-v5 (any ale-py game)"""
+    total_timesteps: int = 10_000_000
+    """total agent steps of the experiment (each is 4 frames)"""
+    learning_rate: float = 7e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 16
+    """the number of parallel game environments"""
+    num_steps: int = 5
+    """the number of steps to run in each environment per policy rollout"""
+    anneal_lr: bool = False
+    """toggle learning rate annealing for policy and value networks"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    gae_lambda: float = 1.0
+    """the lambda for the general advantage estimation (1.0: n-step returns)"""
+    norm_adv: bool = False
+    """toggles advantages normalization"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy"""
+    vf_coef: float = 0.25
+    """coefficient of the value function"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping"""
+    rms_alpha: float = 0.99
+    """RMSprop's smoothing constant (decay of the squared-gradient average)"""
+    rms_eps: float = 1e-5
+    """RMSprop's epsilon, added inside the square root (TensorFlow style)"""
+    life_loss_terminal: bool = True
+    """treat a lost life as terminal for the learner (returns are still logged per full game)"""
+
+    # to be filled in runtime
+    batch_size: int = 0
+    """the batch size (computed in runtime)"""
+    num_iterations: int = 0
+    """the number of iterations (computed in runtime)"""
+
+
+class RMSpropTF(torch.optim.Optimizer):
+    """RMSprop as TensorFlow (and so the original A2C and rl-zoo) does it:
+
+        v = alpha * v + (1 - alpha) * g^2;   p -= lr * g / sqrt(v + eps)
+
+    with v starting at ones. PyTorch's RMSprop starts v at zeros and adds eps outside the
+    root, which makes the first steps huge at eps=1e-5. This follows stable-baselines3's
+    RMSpropTFLike (stable_baselines3/common/sb2_compat/rmsprop_tf_like.py), which rl-zoo's
+    Atari A2C uses: `state["square_avg"] = torch.ones_like(p)` and
+    `avg = square_avg.add(eps).sqrt_()`. No momentum, no weight decay, not centered.
+    """
+
+    def __init__(self, params, lr=7e-4, alpha=0.99, eps=1e-5):
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, alpha, eps = group["lr"], group["alpha"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["square_avg"] = torch.ones_like(p, memory_format=torch.preserve_format)
+                square_avg = state["square_avg"]
+                square_avg.mul_(alpha).addcmul_(p.grad, p.grad, value=1 - alpha)
+                p.addcdiv_(p.grad, square_avg.add(eps).sqrt_(), value=-lr)
+
+
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    """Nature CNN -> Linear(3136, 512) + GELU -> actor and critic heads (all scripts share it)."""
+
+    def __init__(self, num_actions):
+        super().__init__()
+        self.network = nn.Sequential(
+            layer_init(nn.Conv2d(4, 32, 8, stride=4)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1)),
+            nn.ReLU(),
+            nn.Flatten(),
+            layer_init(nn.Linear(64 * 7 * 7, 512)),
+            nn.GELU(),
+        )
+        self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
+        self.critic = layer_init(nn.Linear(512, 1), std=1)
+
+    def get_action_and_value(self, x, action=None):
+        x = x.contiguous(memory_format=torch.channels_last)
+        hidden = self.network(x / 255.0)
+        logits = self.actor(hidden)
+        probs = Categorical(logits=logits, validate_args=False)  # NaNs reach the non-finite checks
+        if action is None:
+            action = probs.sample()
+        return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
+
+
+def inference_weights(agent, dtype):
+    """Copies of the weights in the layout the rollout wants; refreshed in place each iteration.
+
+    conv1 gets the 1/255 input scale folded in, so no float observation is ever built. The
+    convs run channels_last, so their output flattens in (h, w, c) order: Linear(3136, 512)'s
+    columns are permuted to match, and the last conv's output feeds it without a copy.
+    """
+    conv1, conv2, conv3, fc = agent.network[0], agent.network[2], agent.network[4], agent.network[7]
+    cl = torch.channels_last
+    w = SimpleNamespace(
+        conv_weight=[torch.empty_like(c.weight, dtype=dtype, memory_format=cl) for c in (conv1, conv2, conv3)],
+        conv_bias=[torch.empty_like(c.bias, dtype=dtype) for c in (conv1, conv2, conv3)],
+        fc_weight=torch.empty_like(fc.weight),
+        agent=agent,
+    )
+    refresh_inference_weights(w)
+    return w
+
+
+@torch.no_grad()
+def refresh_inference_weights(w):
+    network = w.agent.network
+    for i, conv in enumerate((network[0], network[2], network[4])):
+        w.conv_weight[i].copy_(conv.weight)
+        w.conv_bias[i].copy_(conv.bias)
+    w.conv_weight[0].mul_(1.0 / 255.0)
+    fc = network[7]
+    w.fc_weight.copy_(fc.weight.view(512, 64, 7, 7).permute(0, 2, 3, 1).reshape(512, 3136))
+
+
+def inference_buffers(batch, num_actions, dtype, device):
+    """Everything one env batch's inference writes into, allocated once."""
+    cl = torch.channels_last
+    b = SimpleNamespace(
+        x=torch.empty((batch, 4, 84, 84), dtype=dtype, device=device, memory_format=cl),
+        c1=torch.empty((batch, 32, 20, 20), dtype=dtype, device=device, memory_format=cl),
+        c2=torch.empty((batch, 64, 9, 9), dtype=dtype, device=device, memory_format=cl),
+        c3=torch.empty((batch, 64, 7, 7), dtype=dtype, device=device, memory_format=cl),
+        hidden=torch.empty((batch, 512), device=device),
+        logits=torch.empty((batch, num_actions), device=device),
+        entropy=torch.empty(batch, device=device),
+    )
+    b.c3_flat = b.c3.permute(0, 2, 3, 1).reshape(batch, 3136)  # a view: channels_last is (h, w, c)
+    b.features = b.c3_flat if dtype == torch.float32 else torch.empty((batch, 3136), device=device)
+    return b
+
+
+@torch.no_grad()
+def policy_forward(w, buf, obs, value_out):
+    """Logits (into buf.logits) and values for one env batch: 10 launches in fp32, 11 in bf16.
+
+    obs uint8 [batch, 4, 84, 84]; value_out is a view of the rollout storage. Nothing is
+    allocated here except inside the convolution primitives.
+    """
+    conv = torch.ops.aten.convolution.out
+    buf.x.copy_(obs)  # uint8 -> float, and NCHW -> channels_last, in one copy
+    conv(buf.x, w.conv_weight[0], w.conv_bias[0], [4, 4], [0, 0], [1, 1], False, [0, 0], 1, out=buf.c1)
+    buf.c1.relu_()
+    conv(buf.c1, w.conv_weight[1], w.conv_bias[1], [2, 2], [0, 0], [1, 1], False, [0, 0], 1, out=buf.c2)
+    buf.c2.relu_()
+    conv(buf.c2, w.conv_weight[2], w.conv_bias[2], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, out=buf.c3)
+    buf.c3.relu_()
+    if buf.features is not buf.c3_flat:
+        buf.features.copy_(buf.c3_flat)  # bf16 -> fp32 for the fp32 head kernels
+    agent = w.agent
+    fc = agent.network[7]
+    kernels.linear_gelu(buf.features, w.fc_weight, fc.bias, out=buf.hidden)
+    kernels.policy_value_heads(
+        buf.hidden, agent.actor.weight, agent.actor.bias, agent.critic.weight, agent.critic.bias,
+        logits_out=buf.logits, value_out=value_out,
+    )  # fmt: skip
+
+
+def gae(rewards, values, dones, gamma, gae_lambda):
+    """GAE vectorized over time: no Python loop over the horizon. With gae_lambda=1 the
+    returns are A2C's n-step returns: rewards up to the horizon, then the bootstrap value.
+
+    rewards [T, N]; values and dones [T + 1, N], where dones[t] = 1 when obs[t] follows a
+    terminal. A_t = sum_s (gamma lambda)^(s - t) delta_s over s >= t with no terminal in
+    between, i.e. where the running count of terminals is the same at s as at t.
+    """
+    num_steps = rewards.shape[0]
+    next_nonterminal = 1.0 - dones[1:]
+    deltas = rewards + gamma * values[1:] * next_nonterminal - values[:-1]
+    terminals_so_far = torch.cumsum(dones[1:], dim=0) - dones[1:]  # terminals in dones[1..t]
+    t = torch.arange(num_steps, device=rewards.device, dtype=torch.float64)
+    lag = t[None, :] - t[:, None]  # s - t
+    decay = torch.where(lag >= 0, (gamma * gae_lambda) ** lag.clamp(min=0), 0.0).to(rewards.dtype)
+    same_episode = terminals_so_far[None, :, :] == terminals_so_far[:, None, :]  # [t, s, N]
+    advantages = torch.einsum("ts,tsn,sn->tn", decay, same_episode.to(rewards.dtype), deltas)
+    return advantages, advantages + values[:-1]
+
+
+def parse_args() -> Args:
+    args = tyro.cli(Args)
+    utils.rom_id(args.env_id)  # unknown games fail here, with close matches
+    utils.check_capture_video(args.capture_video, args.eval_checkpoint)
+    utils.check_positive(
+        num_envs=args.num_envs, num_gpu_batches=args.num_gpu_batches,
+        num_env_threads=args.num_env_threads, eval_episodes=args.eval_episodes,
+    )  # fmt: skip
+    if args.num_envs % args.num_gpu_batches:
+        raise utils.UsageError(
+            f"--num-envs {args.num_envs} is not divisible by --num-gpu-batches {args.num_gpu_batches}"
+        )
+    if args.eval_checkpoint is None:
+        utils.check_positive(
+            total_timesteps=args.total_timesteps, num_steps=args.num_steps,
+            save_interval=args.save_interval, log_interval=args.log_interval,
+        )  # fmt: skip
+        if not 0.0 <= args.rms_alpha < 1.0:
+            raise utils.UsageError(f"--rms-alpha must be in [0, 1), got {args.rms_alpha}")
+        if args.rms_eps < 0:
+            raise utils.UsageError(f"--rms-eps must be >= 0, got {args.rms_eps}")
+    args.batch_size = int(args.num_envs * args.num_steps)
+    if args.eval_checkpoint is None and args.total_timesteps < args.batch_size:
+        raise utils.UsageError(f"--total-timesteps {args.total_timesteps} is below one batch ({args.batch_size} steps)")
+    args.num_iterations = args.total_timesteps // args.batch_size
+    return args
+
+
+if __name__ == "__main__":
+    try:
+        args = parse_args()
+        device = utils.resolve_device(args.device)
+        utils.check_precision(args.precision, device)
+        checkpoint = None
+        if args.resume is not None:
+            checkpoint = utils.load_checkpoint(args.resume, Path(__file__).name, args.env_id)
+            utils.check_resume_args(checkpoint, args)
+        if args.eval_checkpoint is not None:
+            evaluated = utils.load_checkpoint(args.eval_checkpoint, Path(__file__).name, args.env_id)
+    except utils.UsageError as e:
+        utils.fail(str(e))
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+
+    # seeding
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+
+    if args.eval_checkpoint is not None:
+        agent = Agent(evaluated["num_actions"]).to(device)
+        agent.load_state_dict(evaluated["model"])
+        video_dir = Path(args.eval_checkpoint).parent / "videos"
+        act = lambda obs: agent.get_action_and_value(obs.float())[0]  # noqa: E731
+        try:
+            returns = utils.evaluate(
+                args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir
+            )
+        except utils.UsageError as e:
+            utils.fail(str(e))
+        print(utils.report_evaluation(args.env_id, returns))
+        sys.exit(0)
+
+    # log setup: a resumed run continues in its own directory and step count
+    if checkpoint is not None:
+        run_dir = Path(args.resume).parent
+        start_iteration, global_step = checkpoint["iteration"], checkpoint["global_step"]
+    else:
+        run_dir = Path(args.runs_dir) / utils.run_name(args)
+        start_iteration, global_step = 0, 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # purge_step hides events a crashed run wrote after its last checkpoint: TensorBoard drops
+    # steps >= purge_step, and the checkpointed iteration logged at global_step itself
+    writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
+    if checkpoint is None:
+        writer.add_text("hyperparameters", utils.hyperparameters_text(args))
+    stop = utils.StopSignal()
+
+    # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
+    env_seed = args.seed + 1_000_003 * start_iteration
+    envs = utils.ThreadedAtariEnvs(
+        args.env_id, args.num_envs, args.num_gpu_batches,
+        1 if args.single_threaded else args.num_env_threads, env_seed,
+        life_loss_terminal=args.life_loss_terminal, serial=args.single_threaded,
+    )  # fmt: skip
+    num_actions = envs.num_actions
+    num_batches, batch = args.num_gpu_batches, envs.batch_size
+
+    # agent and optimizer
+    agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
+    optimizer = RMSpropTF(agent.parameters(), lr=args.learning_rate, alpha=args.rms_alpha, eps=args.rms_eps)
+    if checkpoint is not None:
+        agent.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        # the saved state brings its own lr, alpha and eps: the command line's win
+        optimizer.param_groups[0].update(lr=args.learning_rate, alpha=args.rms_alpha, eps=args.rms_eps)
+        utils.set_rng_states(checkpoint["rng"])
+    weights = inference_weights(agent, dtype)
+
+    def save(iteration, step, path=run_dir / "checkpoint.pt"):
+        state = {
+            "script": Path(__file__).name, "env_id": args.env_id, "args": vars(args),
+            "num_actions": num_actions, "model": agent.state_dict(),
+            "optimizer": optimizer.state_dict(), "iteration": iteration, "global_step": step,
+            "env_seed": env_seed, "rng": utils.rng_states(),
+        }  # fmt: skip
+        utils.save_checkpoint(path, state)
+
+    # storage: obs and values have one more step, the one after the horizon (for bootstrap)
+    T, N = args.num_steps, args.num_envs
+    obs = torch.zeros((T + 1, N, 4, 84, 84), dtype=torch.uint8, device=device)
+    actions = torch.zeros((T + 1, N), dtype=torch.long, device=device)
+    logprobs = torch.zeros((T + 1, N), device=device)
+    values = torch.zeros((T + 1, N), device=device)
+    uniforms = torch.zeros((T + 1, N), device=device)
+    rewards = torch.zeros((T, N), device=device)
+    dones = torch.zeros((T + 1, N), device=device)
+    # rewards and terminals stay on the host, where they arrive, until the horizon is done
+    rewards_host = utils.host_buffer((T, N), torch.float32, device)
+    dones_host = utils.host_buffer((T + 1, N), torch.float32, device)
+    rewards_host_np, dones_host_np = rewards_host.numpy(), dones_host.numpy()
+    # statistics summed on the device between log lines: value, policy and entropy losses,
+    # and every value and return of the interval for the explained variance
+    stats = torch.zeros(3, device=device)
+    interval_values = torch.zeros((args.log_interval, T, N), device=device)
+    interval_returns = torch.zeros((args.log_interval, T, N), device=device)
+    logged_iterations = 0
+
+    # per env batch: a stream, pinned buffers, inference buffers and every view it will touch
+    streams = [utils.new_stream(device) for _ in range(num_batches)]
+    slices = envs.slices
+    stacks = [
+        utils.DeviceFrameStack([obs[t, sl] for t in range(T + 1)], device, streams[b]) for b, sl in enumerate(slices)
+    ]
+    buffers = [inference_buffers(batch, num_actions, dtype, device) for _ in range(num_batches)]
+    step_views = [
+        [(obs[t, sl], uniforms[t, sl], actions[t, sl], logprobs[t, sl], values[t, sl]) for sl in slices]
+        for t in range(T + 1)
+    ]
+    actions_host = [utils.host_buffer((batch,), torch.long, device) for _ in range(num_batches)]
+    actions_host_np = [a.numpy() for a in actions_host]
+
+    def act(t, b):
+        """Inference and sampling for batch b at step t, straight into the rollout storage,
+        then the actions to the host: 13 launches per batch and step (14 in bf16)."""
+        obs_t, uniform_t, action_t, logprob_t, value_t = step_views[t][b]
+        buf = buffers[b]
+        with utils.on_stream(streams[b]):
+            with timer("inference"):
+                policy_forward(weights, buf, obs_t, value_t)
+            with timer("sampling"):
+                kernels.sample_logits(buf.logits, uniform_t, action_t, logprob_t, buf.entropy)
+            with timer("device to host"):
+                actions_host[b].copy_(action_t, non_blocking=True)
+                if streams[b] is not None:
+                    streams[b].synchronize()
+
+    # start the game: the first frames go to the slot after the horizon, which each
+    # iteration moves to step 0
+    progress = utils.Progress(args.total_timesteps, global_step)
+    for b, frames in enumerate(np.split(envs.reset(), num_batches)):
+        stacks[b].start(T, frames)
+    dones_host_np[T] = 0
+    iteration = start_iteration
+    print(f"run directory: {run_dir}", flush=True)
+    profiler = utils.make_profiler(args.profile, run_dir, device)
+    timer = utils.PhaseTimer(args.profile, device)
+
+    for iteration in range(start_iteration + 1, args.num_iterations + 1):
+        iteration_start_step = global_step
+        # annealing the rate if instructed to do so.
+        if args.anneal_lr:
+            frac = 1.0 - (iteration - 1.0) / args.num_iterations
+            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+
+        # rollout: round-robin over the batches in this thread; each batch's envs step in C++
+        # while the next batches run inference
+        refresh_inference_weights(weights)
+        torch.rand(uniforms.shape, out=uniforms, device=device)  # every sample of the horizon
+        obs[0].copy_(obs[T])
+        dones_host_np[0] = dones_host_np[T]
+        for step in range(T + 1):
+            if stop:
+                break
+            for b in range(num_batches):
+                if step > 0:
+                    with timer("env wait"):
+                        frames, ended = envs.recv(
+                            b, rewards_host_np[step - 1, slices[b]], dones_host_np[step, slices[b]]
+                        )
+                    with timer("host to device"):
+                        stacks[b].push(step, frames, ended)
+                    for _, episodic_return, episodic_length in envs.pop_finished():
+                        progress.recent_returns.append(episodic_return)
+                        writer.add_scalar("charts/episodic_return", episodic_return, global_step)
+                        writer.add_scalar("charts/episodic_length", episodic_length, global_step)
+                act(step, b)
+                if step < T:  # the step after the horizon only gives the bootstrap value
+                    envs.send(b, actions_host_np[b])
+            if step < T:
+                global_step += N
+        if stop:  # abandon the unfinished rollout: the checkpoint is the last full iteration
+            iteration, global_step = iteration - 1, iteration_start_step
+            break
+
+        with timer("training"):
+            # advantages: terminals and rewards cross to the device once per iteration;
+            # with gae_lambda=1 the returns are n-step returns bootstrapped from values[T]
+            rewards.copy_(rewards_host, non_blocking=True)
+            dones.copy_(dones_host, non_blocking=True)
+            with torch.no_grad():
+                advantages, returns = gae(rewards, values, dones, args.gamma, args.gae_lambda)
+
+            # flatten the batch
+            b_obs = obs[:T].reshape((-1, 4, 84, 84))
+            b_actions = actions[:T].reshape(-1)
+            b_advantages = advantages.reshape(-1)
+            b_returns = returns.reshape(-1)
+            if args.norm_adv:
+                b_advantages = (b_advantages - b_advantages.mean()) / (b_advantages.std() + 1e-8)
+
+            # one gradient step on the whole batch, log-probs and values from the training
+            # network (they equal the rollout's: the weights have not changed since)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs, b_actions)
+            newlogprob, entropy, newvalue = newlogprob.float(), entropy.float(), newvalue.float().view(-1)
+
+            pg_loss = -(b_advantages * newlogprob).mean()
+            # Value loss: the plain mean squared error, as stable-baselines3's A2C does
+            # (F.mse_loss(returns, values) * vf_coef), without the 1/2 of the PPO scripts:
+            # vf_coef 0.25 is rl-zoo's value tuned for that form
+            v_loss = ((newvalue - b_returns) ** 2).mean()
+            entropy_loss = entropy.mean()
+            loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+            nonfinite = ~torch.isfinite(loss)
+
+            optimizer.zero_grad()
+            loss.backward()
+            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+            with torch.no_grad():  # summed until the next log line, no sync
+                stats += torch.stack([v_loss, pg_loss, entropy_loss]).detach()
+                interval_values[logged_iterations].copy_(values[:T])
+                interval_returns[logged_iterations].copy_(returns)
+                logged_iterations += 1
+
+        # logging: one sync per iteration for the non-finite check (the rollout syncs each
+        # step anyway); everything else every --log-interval iterations. Weights that this
+        # update made overflow show up in the next iteration's loss, which recomputes
+        # everything from them (the sampler picks valid actions even from NaN logits);
+        # checkpoints check the weights and outputs themselves, below
+        if bool(nonfinite):
+            utils.fail_diverged("non-finite loss", iteration, run_dir / "checkpoint.pt", writer, envs)
+        if iteration % args.log_interval == 0 or iteration == args.num_iterations:
+            v_loss, pg_loss, entropy_loss = (stats / logged_iterations).tolist()
+            y_pred = interval_values[:logged_iterations].cpu().numpy()
+            y_true = interval_returns[:logged_iterations].cpu().numpy()
+            var_y = np.var(y_true)
+            explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
+            writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
+            writer.add_scalar("losses/value_loss", v_loss, global_step)
+            writer.add_scalar("losses/policy_loss", pg_loss, global_step)
+            writer.add_scalar("losses/entropy", entropy_loss, global_step)
+            writer.add_scalar("losses/explained_variance", explained_var, global_step)
+            writer.add_scalar("charts/SPS", progress.sps(global_step), global_step)
+            print(progress.line(iteration, args.num_iterations, global_step), flush=True)
+            stats.zero_()
+            logged_iterations = 0
+        if profiler is not None:
+            profiler.step()
+            if iteration == start_iteration + 4:
+                profiler.stop()
+                print(timer.table(), flush=True)
+                profiler = None
+
+        if iteration % args.save_interval == 0 or iteration == args.num_iterations:
+            if bool(utils.nonfinite_policy(agent, obs[T])):
+                utils.fail_diverged("non-finite weights or outputs", iteration, run_dir / "checkpoint.pt", writer, envs)
+            save(iteration, global_step)
+        if stop:
+            break
+
+    # close: a stop saves where it is and says how to continue (unless the last iteration is done)
+    if stop and iteration < args.num_iterations:
+        save(iteration, global_step)
+        print(utils.stopped_message(stop, global_step, run_dir / "checkpoint.pt"), flush=True)
+    else:
+        save(iteration, global_step, run_dir / "model.pt")
+        print(f"saved {run_dir / 'model.pt'}", flush=True)
+    envs.close()
+    writer.close()
