@@ -273,7 +273,7 @@ if __name__ == "__main__":
         start_iteration, global_step = 0, 0
     run_dir.mkdir(parents=True, exist_ok=True)
     # purge_step drops events a crashed run wrote after its last checkpoint
-    writer = SummaryWriter(str(run_dir), purge_step=global_step if checkpoint else None)
+    writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
     if checkpoint is None:
         writer.add_text("hyperparameters", utils.hyperparameters_text(args))
     stop = utils.StopSignal()
