@@ -14,8 +14,15 @@ Run: python ppo_atari_native.py --env-id Breakout-v5 --num-gpu-batches 8
 """
 
 import os
+
+# torch's idle OpenMP threads spin-wait by default and take the cores that ale-py's C++ env
+# threads need (measured here: env stepping beside torch ran at 0.64x of ale-py alone, 1.03x
+# with PASSIVE). OpenMP reads this when torch loads, so it is set before the imports.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import random
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -446,6 +453,29 @@ if __name__ == "__main__":
                 if streams[b] is not None:
                     streams[b].synchronize()
 
+    def rollout_batch(b):
+        """Env batch b through the horizon, in its own worker thread (sequentially with
+        --single-threaded or one batch). Returns the steps done: fewer when a stop came."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the current device is per thread
+        for step in range(T + 1):
+            if stop and not distributed:  # ranks stay in lockstep: they stop after the update
+                return step
+            if step > 0:
+                with timer("env wait"):
+                    frames, ended = envs.recv(b, rewards_host_np[step - 1, slices[b]], dones_host_np[step, slices[b]])
+                with timer("host to device"):
+                    stacks[b].push(step, frames, ended)
+            act(step, b)
+            if step < T:  # the step after the horizon only gives the bootstrap value
+                envs.send(b, actions_host_np[b])
+        return T + 1
+
+    # worker threads, one per env batch (measured faster than round-robin in one thread:
+    # benchmarks/batch_workers.py)
+    threaded = num_batches > 1 and not args.single_threaded
+    pool = ThreadPoolExecutor(num_batches, thread_name_prefix="env-batch") if threaded else None
+
     # start the game: the first frames go to the slot after the horizon, which each
     # iteration moves to step 0
     progress = utils.Progress(args.total_timesteps, global_step)
@@ -459,41 +489,29 @@ if __name__ == "__main__":
     timer = utils.PhaseTimer(args.profile, device)
 
     for iteration in range(start_iteration + 1, args.num_iterations + 1):
-        iteration_start_step = global_step
         # annealing the rate if instructed to do so.
         if args.anneal_lr:
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
-        # rollout: round-robin over the batches in this thread; each batch's envs step in C++
-        # while the next batches run inference
+        # rollout: one worker thread per env batch; while a batch's envs step in C++ (GIL
+        # released), the other workers run inference (torch releases the GIL too)
         refresh_inference_weights(weights)
         torch.rand(uniforms.shape, out=uniforms, device=device)  # every sample of the horizon
         obs[0].copy_(obs[T])
         dones_host_np[0] = dones_host_np[T]
-        for step in range(T + 1):
-            if stop and not distributed:  # ranks stay in lockstep: they stop after the update
-                break
-            for b in range(num_batches):
-                if step > 0:
-                    with timer("env wait"):
-                        frames, ended = envs.recv(
-                            b, rewards_host_np[step - 1, slices[b]], dones_host_np[step, slices[b]]
-                        )
-                    with timer("host to device"):
-                        stacks[b].push(step, frames, ended)
-                    for _, episodic_return, episodic_length in envs.pop_finished():
-                        progress.recent_returns.append(episodic_return)
-                        writer.add_scalar("charts/episodic_return", episodic_return, global_step)
-                        writer.add_scalar("charts/episodic_length", episodic_length, global_step)
-                act(step, b)
-                if step < T:  # the step after the horizon only gives the bootstrap value
-                    envs.send(b, actions_host_np[b])
-            if step < T:
-                global_step += N * world_size
-        if stop and not distributed:  # abandon the unfinished rollout: the checkpoint is the last full iteration
-            iteration, global_step = iteration - 1, iteration_start_step
+        if pool is None:
+            completed = [rollout_batch(b) for b in range(num_batches)]
+        else:
+            completed = list(pool.map(rollout_batch, range(num_batches)))
+        if min(completed) <= T:  # a stop came: abandon the rollout, the checkpoint is the last full iteration
+            iteration = iteration - 1
             break
+        global_step += T * N * world_size
+        for _, episodic_return, episodic_length in envs.pop_finished():
+            progress.recent_returns.append(episodic_return)
+            writer.add_scalar("charts/episodic_return", episodic_return, global_step)
+            writer.add_scalar("charts/episodic_length", episodic_length, global_step)
 
         with timer("training"):
             # advantages: terminals and rewards cross to the device once per iteration
@@ -608,7 +626,7 @@ if __name__ == "__main__":
             print(progress.line(iteration, args.num_iterations, global_step), flush=True)
         if profiler is not None:
             profiler.step()
-            if iteration == start_iteration + 4:
+            if iteration in (start_iteration + 4, args.num_iterations):
                 profiler.stop()
                 print(timer.table(), flush=True)
                 profiler = None
@@ -636,5 +654,7 @@ if __name__ == "__main__":
             identical = all(torch.equal(g, gathered[0]) for g in gathered)
             print(f"weights identical on all {world_size} ranks: {identical}", flush=True)
         dist.destroy_process_group()
+    if pool is not None:
+        pool.shutdown()
     envs.close()
     writer.close()

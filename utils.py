@@ -17,6 +17,7 @@ import re
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -354,29 +355,28 @@ class PhaseTimer:
     """Wall time per rollout phase for --profile; a free no-op otherwise.
 
     On CUDA each phase synchronizes so that time lands in the phase that caused it: that
-    changes the overlap being measured, which is why it only runs under --profile.
+    changes the overlap being measured, which is why it only runs under --profile. With one
+    worker thread per env batch the phases of different batches overlap; their times add up.
     """
 
     def __init__(self, enabled: bool, device: torch.device):
         self.enabled = enabled
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.totals = {}
-        self.name = None
+        self.lock = threading.Lock()
         self.null = contextlib.nullcontext()
 
     def __call__(self, name):
-        if not self.enabled:
-            return self.null
-        self.name = name
-        return self
+        return self._phase(name) if self.enabled else self.null
 
-    def __enter__(self):
+    @contextlib.contextmanager
+    def _phase(self, name):
         self.sync()
-        self.start, self.entered = time.perf_counter(), self.name
-
-    def __exit__(self, *exc):
+        start = time.perf_counter()
+        yield
         self.sync()
-        self.totals[self.entered] = self.totals.get(self.entered, 0.0) + time.perf_counter() - self.start
+        with self.lock:
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
 
     def table(self) -> str:
         total = sum(self.totals.values()) or 1.0

@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # name -> (script, extra args, default budget in agent steps); PPO's batch is 16 x 128 = 2048
 VARIANTS = {
-    "baseline": ("ppo_atari_baseline.py", [], 4 * 2048),
-    "native-fp32": ("ppo_atari_native.py", ["--precision", "fp32"], 4 * 2048),
-    "native-bf16": ("ppo_atari_native.py", ["--precision", "bf16"], 3 * 2048),
-    "a2c": ("a2c_atari.py", ["--log-interval", "25"], 25 * 80 * 6),
+    "baseline": ("ppo_atari_baseline.py", [], 3 * 2048),
+    "native-fp32": ("ppo_atari_native.py", ["--precision", "fp32"], 3 * 2048),
+    "native-bf16": ("ppo_atari_native.py", ["--precision", "bf16"], 2 * 2048),
+    "a2c": ("a2c_atari.py", ["--log-interval", "25"], 25 * 80 * 4),
 }
 ROLLOUT_ONLY = ["--update-epochs", "0"]
 PROGRESS = re.compile(r"step ([\d,]+)/")
