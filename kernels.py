@@ -33,12 +33,14 @@ the configurations the wrappers launch, also on a machine without a GPU.
 """
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 
 import torch
 import triton
@@ -53,6 +55,15 @@ LAUNCHES = 0
 
 def triton_launch_count():
     return LAUNCHES
+
+
+# Triton's interpreter is not thread-safe (seen here: launches from the rollout's worker
+# threads failed under TRITON_INTERPRET=1), so CPU launches take turns; GPU launches need no lock.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _launch_guard():
+    return _INTERPRETER_LOCK if USE_TRITON_ON_CPU else contextlib.nullcontext()
 
 
 def _use_triton(device):
@@ -166,22 +177,23 @@ def linear_gelu(x, weight, bias, out=None):
         return out
     BLOCK_M, BLOCK_N, BLOCK_K, num_warps = _linear_gelu_config(B, N, K)
     grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(B, BLOCK_M))
-    linear_gelu_kernel[grid](
-        x,
-        weight,
-        bias,
-        out,
-        B,
-        N,
-        K,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        num_warps=num_warps,
-        # Fused multiply-add contraction, as nvcc does for torch's own kernels (and set
-        # explicitly: Triton 3.9 warns when it is left to the default).
-        enable_fp_fusion=True,
-    )
+    with _launch_guard():
+        linear_gelu_kernel[grid](
+            x,
+            weight,
+            bias,
+            out,
+            B,
+            N,
+            K,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            num_warps=num_warps,
+            # Fused multiply-add contraction, as nvcc does for torch's own kernels (and set
+            # explicitly: Triton 3.9 warns when it is left to the default).
+            enable_fp_fusion=True,
+        )
     LAUNCHES += 1
     return out
 
@@ -309,23 +321,24 @@ def policy_value_heads(
         return logits_out, value_out
     BLOCK_B, BLOCK_A, BLOCK_H, num_warps = _heads_config(B, A, H)
     grid = (triton.cdiv(B, BLOCK_B),)
-    policy_value_heads_kernel[grid](
-        h,
-        actor_weight,
-        actor_bias,
-        critic_weight,
-        critic_bias,
-        logits_out,
-        value_out,
-        B,
-        H,
-        A,
-        BLOCK_B,
-        BLOCK_A,
-        BLOCK_H,
-        num_warps=num_warps,
-        enable_fp_fusion=True,
-    )
+    with _launch_guard():
+        policy_value_heads_kernel[grid](
+            h,
+            actor_weight,
+            actor_bias,
+            critic_weight,
+            critic_bias,
+            logits_out,
+            value_out,
+            B,
+            H,
+            A,
+            BLOCK_B,
+            BLOCK_A,
+            BLOCK_H,
+            num_warps=num_warps,
+            enable_fp_fusion=True,
+        )
     LAUNCHES += 1
     return logits_out, value_out
 
@@ -431,19 +444,20 @@ def sample_logits(logits, uniform, action_out=None, logprob_out=None, entropy_ou
         return action_out, logprob_out, entropy_out
     BLOCK_B, BLOCK_A, num_warps = _sample_config(B, A)
     grid = (triton.cdiv(B, BLOCK_B),)
-    sample_logits_kernel[grid](
-        logits,
-        uniform,
-        action_out,
-        logprob_out,
-        entropy_out,
-        B,
-        A,
-        BLOCK_B,
-        BLOCK_A,
-        num_warps=num_warps,
-        enable_fp_fusion=True,
-    )
+    with _launch_guard():
+        sample_logits_kernel[grid](
+            logits,
+            uniform,
+            action_out,
+            logprob_out,
+            entropy_out,
+            B,
+            A,
+            BLOCK_B,
+            BLOCK_A,
+            num_warps=num_warps,
+            enable_fp_fusion=True,
+        )
     LAUNCHES += 1
     return action_out, logprob_out, entropy_out
 

@@ -29,11 +29,18 @@ TAGS = [
 TINY = ["--num-envs", "4", "--num-steps", "64", "--num-minibatches", "4", "--total-timesteps", "1024"]
 
 
+def script_env(**extra):
+    """The environment for running a script: test_kernels sets TRITON_INTERPRET=1 for this
+    process, but scripts must run as users run them (the interpreter would be very slow)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    env.update(extra)
+    return env
+
+
 def run_script(script, *args, timeout=600, env=None, check=True):
     """Run `python script args` from the repository root; returns the CompletedProcess."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1")
-    full_env.pop("TRITON_INTERPRET", None)
-    full_env.update(env or {})
+    full_env = script_env(**(env or {}))
     result = subprocess.run(
         [sys.executable, str(ROOT / script), *map(str, args)],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env,

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, assert_all_tags, read_scalars, run_dir_of, run_script
+from conftest import ROOT, assert_all_tags, read_scalars, run_dir_of, run_script, script_env
 
 import a2c_atari as a2c
 
@@ -130,7 +130,9 @@ def test_a2c_bf16_stop_and_resume_as_tensorboard_shows_it(runs_dir):
     iteration, the checkpointed iteration's included, as in an uninterrupted run."""
     args = ["--num-envs", "4", "--num-steps", "5", "--total-timesteps", "400", "--log-interval", "1"]
     command = [sys.executable, str(ROOT / "a2c_atari.py"), *args, "--precision", "bf16", "--runs-dir", str(runs_dir)]
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         lines = []
         for line in proc.stdout:

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import ROOT, assert_all_tags, read_scalars, run_dir_of
+from conftest import ROOT, assert_all_tags, read_scalars, run_dir_of, script_env
 
 
 def test_torchrun_two_ranks_gloo(runs_dir):
@@ -12,7 +12,7 @@ def test_torchrun_two_ranks_gloo(runs_dir):
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "ppo_atari_native.py"), *args, "--runs-dir", str(runs_dir), "--num-env-threads", "1",
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # the script compares every rank's final weights with rank 0's and says so
     assert "weights identical on all 2 ranks" in result.stdout, result.stdout[-2000:]

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, read_scalars, run_dir_of, run_script
+from conftest import ROOT, read_scalars, run_dir_of, run_script, script_env
 
 import utils
 
@@ -48,12 +48,6 @@ def budget(script) -> int:
     config = CONFIGS[script]
     total = int(config.args[config.args.index("--total-timesteps") + 1])
     return total // config.batch * config.batch
-
-
-def script_env():
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("TRITON_INTERPRET", None)
-    return env
 
 
 # ----------------------------------------------------------------------------- processes
