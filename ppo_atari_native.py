@@ -14,12 +14,6 @@ Run: python ppo_atari_native.py --env-id Breakout-v5 --num-gpu-batches 8
 """
 
 import os
-
-# torch's idle OpenMP threads spin-wait by default and take the cores that ale-py's C++ env
-# threads need (measured here: env stepping beside torch ran at 0.64x of ale-py alone, 1.03x
-# with PASSIVE). OpenMP reads this when torch loads, so it is set before the imports.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import random
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -479,6 +473,7 @@ if __name__ == "__main__":
     # start the game: the first frames go to the slot after the horizon, which each
     # iteration moves to step 0
     progress = utils.Progress(args.total_timesteps, global_step)
+    training_threads = torch.get_num_threads()
     for b, frames in enumerate(np.split(envs.reset(), num_batches)):
         stacks[b].start(T, frames)
     dones_host_np[T] = 0
@@ -497,6 +492,11 @@ if __name__ == "__main__":
         # rollout: one worker thread per env batch; while a batch's envs step in C++ (GIL
         # released), the other workers run inference (torch releases the GIL too)
         refresh_inference_weights(weights)
+        if device.type == "cpu":
+            # one OpenMP thread per op while env threads run: idle OpenMP threads spin-wait and
+            # would take the env threads' cores (utils' env stepping beside a 2-thread torch ran
+            # at 0.64x of ale-py alone, measured here); training gets every thread back
+            torch.set_num_threads(1)
         torch.rand(uniforms.shape, out=uniforms, device=device)  # every sample of the horizon
         obs[0].copy_(obs[T])
         dones_host_np[0] = dones_host_np[T]
@@ -513,6 +513,8 @@ if __name__ == "__main__":
             writer.add_scalar("charts/episodic_return", episodic_return, global_step)
             writer.add_scalar("charts/episodic_length", episodic_length, global_step)
 
+        if device.type == "cpu":
+            torch.set_num_threads(training_threads)
         with timer("training"):
             # advantages: terminals and rewards cross to the device once per iteration
             rewards.copy_(rewards_host, non_blocking=True)

@@ -11,14 +11,8 @@ these machines are noisy. Engines:
 Run: python benchmarks/env_throughput.py [--env-id Breakout-v5 --num-envs 16 --steps 400 --rounds 3]
 """
 
-import os
-
-# torch's idle OpenMP threads spin-wait by default and take the cores that ale-py's C++ env
-# threads need (measured here: env stepping beside torch ran at 0.64x of ale-py alone, 1.03x
-# with PASSIVE). OpenMP reads this when torch loads, so it is set before the imports.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import argparse
+import os
 import platform
 import sys
 import time
@@ -36,6 +30,7 @@ WARMUP = 20  # untimed vector steps first: thread start-up, first resets
 
 
 def run_utils(env_id, num_envs, threads, steps, seed=0):
+    torch.set_num_threads(1)  # as the native scripts do during the rollout on CPU
     envs = utils.ThreadedAtariEnvs(env_id, num_envs, 1, threads, seed)
     obs = torch.zeros((2, num_envs, 4, 84, 84), dtype=torch.uint8)
     stack = utils.DeviceFrameStack([obs[0], obs[1]], torch.device("cpu"), None)
