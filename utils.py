@@ -13,6 +13,7 @@ import contextlib
 import csv
 import difflib
 import os
+import random
 import re
 import shlex
 import signal
@@ -190,8 +191,6 @@ def check_resume_args(checkpoint: dict, args, names=("num_envs", "num_steps", "t
 
 
 def rng_states() -> dict:
-    import random
-
     states = {"python": random.getstate(), "numpy": np.random.get_state()}
     states["torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
@@ -200,8 +199,6 @@ def rng_states() -> dict:
 
 
 def set_rng_states(states: dict):
-    import random
-
     random.setstate(states["python"])
     np.random.set_state(states["numpy"])
     torch.set_rng_state(states["torch"])

@@ -48,13 +48,8 @@ def run_utils(env_id, num_envs, threads, steps, seed=0):
     return steps * num_envs / elapsed
 
 
-def run_ale(env_id, num_envs, threads, steps, seed=0):
-    from ale_py.vector_env import AtariVectorEnv
-
-    envs = AtariVectorEnv(
-        utils.rom_id(env_id), num_envs, num_threads=threads, repeat_action_probability=0.25, stack_num=4,
-        reward_clipping=False, life_loss_info=True, autoreset_mode="SameStep",
-    )  # fmt: skip
+def timed_steps(envs, num_envs, steps, seed):
+    """Steps/s of a gymnasium-style vector env over `steps` random steps after a warm-up."""
     envs.reset(seed=seed)
     actions = np.random.default_rng(seed).integers(envs.single_action_space.n, size=(steps + WARMUP, num_envs))
     for t in range(steps + WARMUP):
@@ -64,6 +59,16 @@ def run_ale(env_id, num_envs, threads, steps, seed=0):
     elapsed = time.perf_counter() - start
     envs.close()
     return steps * num_envs / elapsed
+
+
+def run_ale(env_id, num_envs, threads, steps, seed=0):
+    from ale_py.vector_env import AtariVectorEnv
+
+    envs = AtariVectorEnv(
+        utils.rom_id(env_id), num_envs, num_threads=threads, repeat_action_probability=0.25, stack_num=4,
+        reward_clipping=False, life_loss_info=True, autoreset_mode="SameStep",
+    )  # fmt: skip
+    return timed_steps(envs, num_envs, steps, seed)
 
 
 def run_gymnasium(mode, env_id, num_envs, threads, steps, seed=0):
@@ -77,15 +82,7 @@ def run_gymnasium(mode, env_id, num_envs, threads, steps, seed=0):
         envs = gym.vector.AsyncVectorEnv(fns, autoreset_mode=autoreset)
     else:
         envs = gym.vector.SyncVectorEnv(fns, autoreset_mode=autoreset)
-    envs.reset(seed=seed)
-    actions = np.random.default_rng(seed).integers(envs.single_action_space.n, size=(steps + WARMUP, num_envs))
-    for t in range(steps + WARMUP):
-        if t == WARMUP:
-            start = time.perf_counter()
-        envs.step(actions[t])
-    elapsed = time.perf_counter() - start
-    envs.close()
-    return steps * num_envs / elapsed
+    return timed_steps(envs, num_envs, steps, seed)
 
 
 ENGINES = {
