@@ -485,11 +485,12 @@ if __name__ == "__main__":
         if min(completed) <= T:  # a stop came: abandon the rollout, the checkpoint is the last full iteration
             iteration = iteration - 1
             break
-        global_step += T * N
-        for _, episodic_return, episodic_length in envs.pop_finished():
+        # each game is logged at the step where it ended, as the baseline logs it
+        for _, episodic_return, episodic_length, step in envs.pop_finished():
             progress.recent_returns.append(episodic_return)
-            writer.add_scalar("charts/episodic_return", episodic_return, global_step)
-            writer.add_scalar("charts/episodic_length", episodic_length, global_step)
+            writer.add_scalar("charts/episodic_return", episodic_return, global_step + step * N)
+            writer.add_scalar("charts/episodic_length", episodic_length, global_step + step * N)
+        global_step += T * N
 
         if device.type == "cpu":
             torch.set_num_threads(training_threads)

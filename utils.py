@@ -448,7 +448,8 @@ class ThreadedAtariEnvs:
         self.episode_return = np.zeros(num_envs, dtype=np.float64)
         self.episode_length = np.zeros(num_envs, dtype=np.int64)
         self.frame_number = np.zeros(num_envs, dtype=np.int64)
-        self.finished = []  # (env index, full-game return, length in agent steps)
+        self.finished = []  # (env index, full-game return, length in agent steps, step it ended)
+        self.steps = np.zeros(num_batches, dtype=np.int64)  # vector steps per batch since pop_finished
         self.serial = serial
         self.results = [None] * num_batches
 
@@ -479,6 +480,7 @@ class ThreadedAtariEnvs:
         else:
             obs, reward, terminated, truncated, info = self.envs[b].recv()
         sl = self.slices[b]
+        self.steps[b] += 1
         self.episode_return[sl] += reward
         self.episode_length[sl] += 1
         np.clip(reward, -1, 1, out=rewards_out, casting="unsafe")
@@ -490,13 +492,18 @@ class ThreadedAtariEnvs:
         ended = np.flatnonzero(game_over)
         for i in ended:
             j = sl.start + i
-            self.finished.append((j, float(self.episode_return[j]), int(self.episode_length[j])))
+            self.finished.append((j, float(self.episode_return[j]), int(self.episode_length[j]), int(self.steps[b])))
             self.episode_return[j] = 0
             self.episode_length[j] = 0
         return obs[:, 0], ended
 
     def pop_finished(self):
-        finished, self.finished = self.finished, []
+        """The games that ended since the last call, in the order they ended. Each game's last
+        field counts the vector steps since that call (1 = the first step), so a script can log
+        it at the step where it ended, as the baseline does, even though batches run apart."""
+        finished = sorted(self.finished, key=lambda game: game[3])
+        self.finished = []
+        self.steps[:] = 0
         return finished
 
     def close(self):

@@ -86,7 +86,7 @@ def test_threaded_envs_episode_accounting():
         terminals += int(dones[0])
         finished = envs.pop_finished()
         if terminated[0] or truncated[0]:
-            assert finished == [(0, raw_total, length)]
+            assert finished == [(0, raw_total, length, 1)]  # ended at the step since the last pop
             break
         assert finished == []
     else:
@@ -166,6 +166,10 @@ def test_native_runs_and_writes_every_tag(precision, runs_dir):
     scalars = read_scalars(run_dir)
     assert_all_tags(scalars)
     assert [step for step, _ in scalars["charts/SPS"]] == [256, 512, 768, 1024]
+    # games are logged at the step they ended (4 envs per step), in order, as the baseline does
+    game_steps = [step for step, _ in scalars["charts/episodic_return"]]
+    assert game_steps == sorted(game_steps) and all(step % 4 == 0 for step in game_steps)
+    assert any(step % 256 for step in game_steps), "games logged only at iteration ends"
     assert (run_dir / "model.pt").is_file()
 
 
