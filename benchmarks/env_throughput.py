@@ -4,7 +4,9 @@ Same game, envs, threads and step count for every engine; random actions; the en
 measured in interleaved rounds (A B C D, A B C D, ...) and the median is reported, because
 these machines are noisy. Engines:
 - utils.ThreadedAtariEnvs: ale-py's C++ vector env (stack_num=1) with the host-side episode
-  accounting and reward clipping, plus the device frame stack (here the device is the CPU).
+  accounting and reward clipping, plus the device frame stack (here the device is the CPU),
+  as one batch, and as the native script runs it by default: 2 batches, a worker thread
+  each, the C++ threads split between them (equal threads in total).
 - ale-py AtariVectorEnv used directly, stack_num=4 (its own frame stack).
 - gymnasium SyncVectorEnv and AsyncVectorEnv of ALE v5 envs + AtariPreprocessing + 4-frame
   stack, the baseline's env (ppo_atari_baseline.make_env).
@@ -15,7 +17,9 @@ import argparse
 import os
 import platform
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -29,20 +33,35 @@ import utils  # noqa: E402
 WARMUP = 20  # untimed vector steps first: thread start-up, first resets
 
 
-def run_utils(env_id, num_envs, threads, steps, seed=0):
+def run_utils(env_id, num_envs, threads, steps, seed=0, num_batches=1):
+    """utils' env stepping as the native script drives it: one worker thread per env batch,
+    each stepping its batch and pushing its frames; the C++ threads are split between the
+    batches, so the total equals the other engines' (`threads`)."""
     torch.set_num_threads(1)  # as the native scripts do during the rollout on CPU
-    envs = utils.ThreadedAtariEnvs(env_id, num_envs, 1, threads, seed)
+    envs = utils.ThreadedAtariEnvs(env_id, num_envs, num_batches, max(1, threads // num_batches), seed)
     obs = torch.zeros((2, num_envs, 4, 84, 84), dtype=torch.uint8)
-    stack = utils.DeviceFrameStack([obs[0], obs[1]], torch.device("cpu"), None)
-    stack.start(0, envs.reset())
+    stacks = [utils.DeviceFrameStack([obs[0, sl], obs[1, sl]], torch.device("cpu"), None) for sl in envs.slices]
+    for stack, frames in zip(stacks, np.split(envs.reset(), num_batches), strict=True):
+        stack.start(0, frames)
     rewards, dones = np.zeros(num_envs, np.float32), np.zeros(num_envs, np.float32)
     actions = np.random.default_rng(seed).integers(envs.num_actions, size=(steps + WARMUP, num_envs))
-    for t in range(steps + WARMUP):
-        if t == WARMUP:
-            start = time.perf_counter()
-        envs.send(0, actions[t])
-        frames, ended = envs.recv(0, rewards, dones)
-        stack.push(1 - t % 2, frames, ended)  # alternate the two slots, as the rollout does
+    barrier = threading.Barrier(num_batches + 1)  # the clock starts when every batch is warm
+
+    def batch_loop(b):
+        sl = envs.slices[b]
+        for t in range(steps + WARMUP):
+            if t == WARMUP:
+                barrier.wait()
+            envs.send(b, actions[t, sl])
+            frames, ended = envs.recv(b, rewards[sl], dones[sl])
+            stacks[b].push(1 - t % 2, frames, ended)  # alternate the two slots, as the rollout does
+
+    with ThreadPoolExecutor(num_batches) as pool:
+        done = [pool.submit(batch_loop, b) for b in range(num_batches)]
+        barrier.wait()
+        start = time.perf_counter()
+        for future in done:
+            future.result()
     elapsed = time.perf_counter() - start
     envs.close()
     return steps * num_envs / elapsed
@@ -86,7 +105,8 @@ def run_gymnasium(mode, env_id, num_envs, threads, steps, seed=0):
 
 
 ENGINES = {
-    "utils.ThreadedAtariEnvs (+ frame stack)": run_utils,
+    "utils.ThreadedAtariEnvs (+ frame stack), 1 batch": run_utils,
+    "utils.ThreadedAtariEnvs (+ frame stack), 2 batches (native default)": lambda *a: run_utils(*a, num_batches=2),
     "ale-py AtariVectorEnv, direct": run_ale,
     "gymnasium SyncVectorEnv + AtariPreprocessing": lambda *a: run_gymnasium("sync", *a),
     "gymnasium AsyncVectorEnv + AtariPreprocessing": lambda *a: run_gymnasium("async", *a),
