@@ -8,6 +8,7 @@ and prints a summary: the mean return over the last 20 full games of each run, i
 and the wall time at which each run's 20-game mean first reached the baseline's final one.
 matplotlib is needed for the plot only: pip install -r benchmarks/requirements.txt
 Run: python benchmarks/learning.py --total-timesteps 500000 --seeds 1 2
+     python benchmarks/learning.py --seeds 3 --variants a2c --append  (add runs to OUT.csv)
      python benchmarks/learning.py --plot-only  (redraw from OUT.csv)
 """
 
@@ -125,6 +126,11 @@ def summary(rows):
     return "\n".join(lines)
 
 
+def read_rows(path):
+    with open(path) as f:
+        return [(r["script"], r["seed"], r["step"], r["wall_time_s"], r["return"]) for r in csv.DictReader(f)]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-timesteps", type=int, default=500_000)
@@ -132,11 +138,15 @@ def main():
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learning"))
     parser.add_argument("--plot-only", action="store_true", help="redraw the plot and summary from OUT.csv")
+    parser.add_argument("--append", action="store_true", help="keep OUT.csv's other runs; replace only the ones rerun")
     args = parser.parse_args()
     out_csv, out_png = Path(args.out + ".csv"), Path(args.out + ".png")
 
     if not args.plot_only:
         rows = []
+        if args.append and out_csv.exists():  # runs take an hour each: add to a results file, run by run
+            rerun = {(name, seed) for name in args.variants for seed in args.seeds}
+            rows = [row for row in read_rows(out_csv) if (row[0], int(row[1])) not in rerun]
         with tempfile.TemporaryDirectory() as runs_dir:
             for seed in args.seeds:  # seed-major, so a cut-short benchmark still compares scripts
                 for name in args.variants:
@@ -146,8 +156,7 @@ def main():
                         writer = csv.writer(f)
                         writer.writerow(["script", "seed", "step", "wall_time_s", "return"])
                         writer.writerows(rows)
-    with open(out_csv) as f:
-        rows = [(r["script"], r["seed"], r["step"], r["wall_time_s"], r["return"]) for r in csv.DictReader(f)]
+    rows = read_rows(out_csv)
     print(
         f"Breakout-v5, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), no GPU, "
         f"{time.strftime('%Y-%m-%d')}\n"
