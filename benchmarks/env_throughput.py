@@ -1,8 +1,9 @@
 """Env steps/s: utils' threaded env stepping against gymnasium's vector envs and ale-py's own.
 
 Same game, envs, threads and step count for every engine; random actions; the engines are
-measured in interleaved rounds (A B C D, A B C D, ...) and the median is reported, because
-these machines are noisy. Engines:
+measured in interleaved rounds, each starting one engine later (A B C D, B C D A, ...), and
+the median is reported, because these machines are noisy; each ratio is the median of the
+rounds' ratios (engines run seconds apart within a round). Engines:
 - utils.ThreadedAtariEnvs: ale-py's C++ vector env (stack_num=1) with the host-side episode
   accounting and reward clipping, plus the device frame stack (here the device is the CPU),
   as one batch, and as the native script runs it by default: 2 batches, a worker thread
@@ -10,7 +11,7 @@ these machines are noisy. Engines:
 - ale-py AtariVectorEnv used directly, stack_num=4 (its own frame stack).
 - gymnasium SyncVectorEnv and AsyncVectorEnv of ALE v5 envs + AtariPreprocessing + 4-frame
   stack, the baseline's env (ppo_atari_baseline.make_env).
-Run: python benchmarks/env_throughput.py [--env-id Breakout-v5 --num-envs 16 --steps 400 --rounds 3]
+Run: python benchmarks/env_throughput.py [--env-id Breakout-v5 --num-envs 16 --steps 400 --rounds 5]
 """
 
 import argparse
@@ -119,28 +120,37 @@ def main():
     parser.add_argument("--num-envs", type=int, default=16)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--steps", type=int, default=400, help="vector steps per measurement")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
     results = {name: [] for name in ENGINES}
+    names = list(ENGINES)
     for r in range(args.rounds):
-        for name, run in ENGINES.items():
+        # each round starts one engine later, so no engine always follows the same one (the
+        # async gymnasium env's worker processes, for one, may still be exiting)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            run = ENGINES[name]
             sps = run(args.env_id, args.num_envs, args.threads, args.steps, r)
             results[name].append(sps)
             print(f"round {r + 1}: {name}: {sps:,.0f} steps/s", file=sys.stderr, flush=True)
 
+    # ratios are taken within each round, then their median: the machine's speed drifts by
+    # 30% over minutes here, far more than between two engines run seconds apart
     medians = {name: float(np.median(v)) for name, v in results.items()}
-    ale = medians["ale-py AtariVectorEnv, direct"]
-    gym_async = medians["gymnasium AsyncVectorEnv + AtariPreprocessing"]
+    ale = np.array(results["ale-py AtariVectorEnv, direct"])
+    gym_async = np.array(results["gymnasium AsyncVectorEnv + AtariPreprocessing"])
     print(
         f"{args.env_id}, {args.num_envs} envs, {args.threads} threads, {args.steps} steps x {args.rounds} "
         f"interleaved rounds, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
         f"{time.strftime('%Y-%m-%d')}\n"
     )
-    print("| engine | agent steps/s (median) | vs ale-py direct | vs gymnasium async |")
-    print("|---|---|---|---|")
+    print("| engine | agent steps/s (median) | runs | vs ale-py direct | vs gymnasium async |")
+    print("|---|---|---|---|---|")
     for name, sps in medians.items():
-        print(f"| {name} | {sps:,.0f} | {sps / ale:.2f}x | {sps / gym_async:.2f}x |")
+        runs = np.array(results[name])
+        vs_ale, vs_async = np.median(runs / ale), np.median(runs / gym_async)
+        text = ", ".join(f"{v:,.0f}" for v in runs)
+        print(f"| {name} | {sps:,.0f} | {text} | {vs_ale:.2f}x | {vs_async:.2f}x |")
 
 
 if __name__ == "__main__":
