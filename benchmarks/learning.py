@@ -5,7 +5,8 @@ every full-game return from their TensorBoard files, and writes
   OUT.csv  rows (script, seed, step, wall_time_s, return)
   OUT.png  return vs steps and return vs wall time (mean of the last 20 games, per run)
 and prints a summary: the mean return over the last 20 full games of each run, its wall time,
-and the wall time at which each run's 20-game mean first reached the baseline's final one.
+the wall time at which each run's 20-game mean first reached the baseline's final one, and
+the mean return of the games ended in each fifth of the run (the whole curve, not its end).
 matplotlib is needed for the plot only: pip install -r benchmarks/requirements.txt
 Run: python benchmarks/learning.py --total-timesteps 500000 --seeds 1 2
      python benchmarks/learning.py --seeds 3 --variants a2c --append  (add runs to OUT.csv)
@@ -123,6 +124,15 @@ def summary(rows):
         )
     if target is not None:
         lines.append(f"\nbaseline's final return (mean over its seeds of the last {WINDOW} games): {target:.2f}")
+    # the whole curve, not only its end: mean return of the games ended in each fifth of the run
+    last_step = max(max(step for step, _, _ in run) for run in runs.values())
+    edges = np.linspace(0, last_step, 6).round(-3).astype(int)
+    spans = [f"{lo // 1000}k-{hi // 1000}k" for lo, hi in zip(edges[:-1], edges[1:])]
+    lines += ["", "| script | seed | " + " | ".join(spans) + " |", "|---|---|" + "---|" * len(spans)]
+    for (name, seed), run in sorted(runs.items()):
+        steps, _, returns = np.array(run).T
+        means = [returns[(steps > lo) & (steps <= hi)].mean() for lo, hi in zip(edges[:-1], edges[1:])]
+        lines.append(f"| {name} | {seed} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
     return "\n".join(lines)
 
 
