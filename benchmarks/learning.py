@@ -35,6 +35,7 @@ VARIANTS = {
     "a2c": ("a2c_atari.py", []),
 }
 WINDOW = 20  # games in the running mean, as in the target
+COLUMNS = ["script", "seed", "step", "wall_time_s", "return"]  # of OUT.csv
 
 
 def returns_of(run_dir):
@@ -138,7 +139,7 @@ def summary(rows):
 
 def read_rows(path):
     with open(path) as f:
-        return [(r["script"], r["seed"], r["step"], r["wall_time_s"], r["return"]) for r in csv.DictReader(f)]
+        return [tuple(r[column] for column in COLUMNS) for r in csv.DictReader(f)]
 
 
 def main():
@@ -164,7 +165,7 @@ def main():
                         rows.append((name, seed, int(step), round(wall, 2), ret))
                     with open(out_csv, "w", newline="") as f:  # after every run: nothing is lost
                         writer = csv.writer(f)
-                        writer.writerow(["script", "seed", "step", "wall_time_s", "return"])
+                        writer.writerow(COLUMNS)
                         writer.writerows(rows)
     rows = read_rows(out_csv)
     print(
