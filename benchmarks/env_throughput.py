@@ -1,9 +1,12 @@
 """Env steps/s: utils' threaded env stepping against gymnasium's vector envs and ale-py's own.
 
 Same game, envs, threads and step count for every engine; random actions; the engines are
-measured in interleaved rounds, each starting one engine later (A B C D, B C D A, ...), and
-the median is reported, because these machines are noisy; each ratio is the median of the
-rounds' ratios (engines run seconds apart within a round). Engines:
+measured in interleaved rounds, each in its own shuffled order (seeded), and the median is
+reported, because these machines are noisy; each ratio is the median of the rounds' ratios
+(engines run seconds apart within a round). Rotating one fixed order (A B C D, B C D A, ...)
+is not enough: every engine then always follows the same one, and in an earlier version
+utils' one-batch run always came right after gymnasium's 16 worker processes had exited.
+Engines:
 - utils.ThreadedAtariEnvs: ale-py's C++ vector env (stack_num=1) with the host-side episode
   accounting and reward clipping, plus the device frame stack (here the device is the CPU),
   as one batch, and as the native script runs it by default: 2 batches, a worker thread
@@ -32,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 import utils  # noqa: E402
 
 WARMUP = 20  # untimed vector steps first: thread start-up, first resets
+SETTLE = 1.0  # seconds of quiet after each engine, for exiting worker processes and threads
 
 
 def run_utils(env_id, num_envs, threads, steps, seed=0, num_batches=1):
@@ -124,15 +128,16 @@ def main():
     args = parser.parse_args()
 
     results = {name: [] for name in ENGINES}
-    names = list(ENGINES)
+    order = np.random.default_rng(0)
     for r in range(args.rounds):
-        # each round starts one engine later, so no engine always follows the same one (the
-        # async gymnasium env's worker processes, for one, may still be exiting)
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            run = ENGINES[name]
-            sps = run(args.env_id, args.num_envs, args.threads, args.steps, r)
+        # a new order each round, so that no engine always follows the same one (the async
+        # gymnasium env's worker processes, for one, may still be exiting)
+        for i in order.permutation(len(ENGINES)):
+            name = list(ENGINES)[i]
+            sps = ENGINES[name](args.env_id, args.num_envs, args.threads, args.steps, r)
             results[name].append(sps)
             print(f"round {r + 1}: {name}: {sps:,.0f} steps/s", file=sys.stderr, flush=True)
+            time.sleep(SETTLE)
 
     # ratios are taken within each round, then their median: the machine's speed drifts by
     # 30% over minutes here, far more than between two engines run seconds apart
@@ -141,7 +146,7 @@ def main():
     gym_async = np.array(results["gymnasium AsyncVectorEnv + AtariPreprocessing"])
     print(
         f"{args.env_id}, {args.num_envs} envs, {args.threads} threads, {args.steps} steps x {args.rounds} "
-        f"interleaved rounds, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
+        f"rounds in shuffled order, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
         f"{time.strftime('%Y-%m-%d')}\n"
     )
     print("| engine | agent steps/s (median) | runs | vs ale-py direct | vs gymnasium async |")
