@@ -1,7 +1,7 @@
 """Steps/s of the three scripts, end to end and rollout only, side by side in one run.
 
 Each variant runs as a user would run it (a subprocess, Breakout-v5, the scripts' defaults
-unless listed), in interleaved rounds (A B C, A B C, ...). Steps/s is measured from the
+unless listed), in rounds, each in its own shuffled order. Steps/s is measured from the
 progress lines as they arrive, from the end of the first iteration to the end of the run,
 so start-up and the first iteration's warm-up are left out. Medians and ratios against the
 baseline are printed as a table. Rollout only = `--update-epochs 0` (collect, no learning).
@@ -56,36 +56,36 @@ def main():
     args = parser.parse_args()
     variants = [v for v in args.variants if (ROOT / VARIANTS[v][0]).exists()]
 
-    results = {}
+    # every (mode, variant) run of a round, in a new seeded order each round: no run always
+    # follows the same one, and ratios are taken within a round (runs minutes apart), whose
+    # median is reported, because the machine's speed drifts by 30% over minutes here
+    runs = [(mode, name) for mode in args.modes for name in variants]
+    runs = [(mode, name) for mode, name in runs if not (mode == "rollout-only" and name == "a2c")]
+    results = {run: [] for run in runs}
+    order = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as runs_dir:
         for r in range(args.rounds):
-            for mode in args.modes:
-                for name in variants:
-                    script, extra, budget = VARIANTS[name]
-                    if mode == "rollout-only":
-                        if script == "a2c_atari.py":
-                            continue  # A2C's update is one pass over 80 samples: no separate rollout mode
-                        extra, budget = extra + ROLLOUT_ONLY, budget * 2
-                    sps = measure(script, extra, budget, runs_dir)
-                    results.setdefault((mode, name), []).append(sps)
-                    print(f"round {r + 1} {mode} {name}: {sps:,.0f} steps/s", file=sys.stderr, flush=True)
+            for i in order.permutation(len(runs)):
+                mode, name = runs[i]
+                script, extra, budget = VARIANTS[name]
+                if mode == "rollout-only":  # A2C has no separate rollout mode (its update is 80 samples)
+                    extra, budget = extra + ROLLOUT_ONLY, budget * 4
+                sps = measure(script, extra, budget, runs_dir)
+                results[(mode, name)].append(sps)
+                print(f"round {r + 1} {mode} {name}: {sps:,.0f} steps/s", file=sys.stderr, flush=True)
 
     print(
-        f"Breakout-v5, script defaults, {args.rounds} interleaved rounds, {os.cpu_count()} cores "
+        f"Breakout-v5, script defaults, {args.rounds} rounds in shuffled order, {os.cpu_count()} cores "
         f"({platform.processor() or platform.machine()}), no GPU, {time.strftime('%Y-%m-%d')}\n"
     )
-    print("| mode | script | steps/s (median) | runs | vs baseline |")
+    print("| mode | script | steps/s (median) | runs | vs baseline (median of the rounds' ratios) |")
     print("|---|---|---|---|---|")
-    for mode in args.modes:
+    for mode, name in runs:
+        values = np.array(results[(mode, name)])
         base = results.get((mode, "baseline"))
-        for name in variants:
-            if (mode, name) not in results:
-                continue
-            values = results[(mode, name)]
-            median = float(np.median(values))
-            ratio = f"{median / float(np.median(base)):.2f}x" if base else "-"
-            runs = ", ".join(f"{v:,.0f}" for v in values)
-            print(f"| {mode} | {name} | {median:,.0f} | {runs} | {ratio} |")
+        ratio = f"{np.median(values / np.array(base)):.2f}x" if base else "-"
+        text = ", ".join(f"{v:,.0f}" for v in values)
+        print(f"| {mode} | {name} | {np.median(values):,.0f} | {text} | {ratio} |")
 
 
 if __name__ == "__main__":
