@@ -130,10 +130,23 @@ def summary(rows):
     edges = np.linspace(0, last_step, 6).round(-3).astype(int)
     spans = [f"{lo // 1000}k-{hi // 1000}k" for lo, hi in zip(edges[:-1], edges[1:])]
     lines += ["", "| script | seed | " + " | ".join(spans) + " |", "|---|---|" + "---|" * len(spans)]
+    last_fifth = {}
     for (name, seed), run in sorted(runs.items()):
         steps, _, returns = np.array(run).T
         means = [returns[(steps > lo) & (steps <= hi)].mean() for lo, hi in zip(edges[:-1], edges[1:])]
         lines.append(f"| {name} | {seed} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
+        last_fifth.setdefault(name, []).append(means[-1])
+    # per script, over its seeds: what the targets are about. The last fifth averages a few
+    # hundred games per run, so it is far less noisy than the last 20 games
+    lines += ["", f"| script | seeds | return, last {WINDOW} games: mean (range) | last fifth: mean (range) |"]
+    lines.append("|---|---|---|---|")
+    for name in sorted(last_fifth):
+        final = np.array([v for (n, _), v in sorted(finals.items()) if n == name])
+        fifth = np.array(last_fifth[name])
+        lines.append(
+            f"| {name} | {len(final)} | {final.mean():.2f} ({final.min():.2f}-{final.max():.2f}) "
+            f"| {fifth.mean():.2f} ({fifth.min():.2f}-{fifth.max():.2f}) |"
+        )
     return "\n".join(lines)
 
 
