@@ -9,6 +9,8 @@ the wall time at which each run's 20-game mean first reached the baseline's fina
 the mean return of the games ended in each fifth of the run (the whole curve, not its end).
 matplotlib is needed for the plot only: pip install -r benchmarks/requirements.txt
 Run: python benchmarks/learning.py --total-timesteps 500000 --seeds 1 2
+     python benchmarks/learning.py --total-timesteps 500000 --schedule-timesteps 10000000
+       (the first 500k steps of default 10M-step runs, stopped cleanly there)
      python benchmarks/learning.py --seeds 3 --variants a2c --append  (add runs to OUT.csv)
      python benchmarks/learning.py --plot-only  (redraw from OUT.csv)
 """
@@ -17,6 +19,8 @@ import argparse
 import csv
 import os
 import platform
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +40,7 @@ VARIANTS = {
 }
 WINDOW = 20  # games in the running mean, as in the issue's target
 COLUMNS = ["script", "seed", "step", "wall_time_s", "return"]  # of OUT.csv
+PROGRESS = re.compile(r"step ([\d,]+)/")  # the scripts' progress line
 
 
 def returns_of(run_dir):
@@ -61,16 +66,30 @@ def running_mean(values, window=WINDOW):
     return np.array([values[max(0, i + 1 - window) : i + 1].mean() for i in range(len(values))])
 
 
-def train(name, seed, total_timesteps, runs_dir):
+def train(name, seed, total_timesteps, runs_dir, schedule_timesteps=None):
+    """Run one script to `total_timesteps`; with `schedule_timesteps`, run it as a run of that
+    length (its learning rate anneals over it, as in a default 10M-step run) and stop it with
+    SIGTERM (a clean stop) at the first iteration that reaches `total_timesteps`."""
     script, extra = VARIANTS[name]
     command = [sys.executable, str(ROOT / script), *extra, "--seed", str(seed)]
-    command += ["--total-timesteps", str(total_timesteps), "--runs-dir", runs_dir, "--exp-name", f"{name}"]
+    command += ["--total-timesteps", str(schedule_timesteps or total_timesteps)]
+    command += ["--runs-dir", runs_dir, "--exp-name", f"{name}"]
     print(" ".join(command[1:]), file=sys.stderr, flush=True)
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{name} seed {seed} failed:\n{result.stderr[-2000:]}")
-    run_dir = next(line for line in result.stdout.splitlines() if line.startswith("run directory: "))
-    return returns_of(run_dir.removeprefix("run directory: "))
+    run_dir, stop_step = None, None
+    with tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        for line in process.stdout:
+            if line.startswith("run directory: "):
+                run_dir = line.removeprefix("run directory: ").strip()
+            progress = PROGRESS.search(line)
+            if progress and stop_step is None and int(progress.group(1).replace(",", "")) >= total_timesteps:
+                stop_step = int(progress.group(1).replace(",", ""))
+                process.send_signal(signal.SIGTERM)
+        if process.wait() != 0 or run_dir is None:
+            stderr.seek(0)
+            raise RuntimeError(f"{name} seed {seed} failed:\n{stderr.read()[-2000:]}")
+    # a stop abandons the next rollout, whose games the baseline may already have logged
+    return [row for row in returns_of(run_dir) if stop_step is None or row[0] <= stop_step]
 
 
 def plot(rows, path):
@@ -158,6 +177,13 @@ def read_rows(path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total-timesteps", type=int, default=500_000)
+    parser.add_argument(
+        "--schedule-timesteps",
+        type=int,
+        default=None,
+        help="run each script as a run of this many steps (e.g. 10000000, the default run, whose learning rate "
+        "anneals over 10M steps) and stop it at --total-timesteps; default: a run of --total-timesteps",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learning"))
@@ -174,7 +200,7 @@ def main():
         with tempfile.TemporaryDirectory() as runs_dir:
             for seed in args.seeds:  # seed-major, so a cut-short benchmark still compares scripts
                 for name in args.variants:
-                    for step, wall, ret in train(name, seed, args.total_timesteps, runs_dir):
+                    for step, wall, ret in train(name, seed, args.total_timesteps, runs_dir, args.schedule_timesteps):
                         rows.append((name, seed, int(step), round(wall, 2), ret))
                     with open(out_csv, "w", newline="") as f:  # after every run: nothing is lost
                         writer = csv.writer(f)
