@@ -66,6 +66,39 @@ def test_device_frame_stack_matches_ale_stack_num_4():
     envs.close()
 
 
+@pytest.mark.parametrize("game", ["Breakout", "MsPacman"])
+def test_native_and_baseline_env_pipelines_give_the_same_frames(game):
+    """ale-py's vector env, as utils configures it, and the baseline's gymnasium pipeline
+    (AtariPreprocessing on a frameskip=1 env) give the same 84x84 frames and rewards for the
+    same actions, so the two scripts learn from the same game. Sticky actions off and no
+    noops (their random draws differ between the two) to compare frame by frame."""
+    import ale_py
+    import gymnasium as gym
+    from ale_py.vector_env import AtariVectorEnv
+
+    gym.register_envs(ale_py)
+    env = gym.make(f"ALE/{game}-v5", frameskip=1, repeat_action_probability=0.0)
+    env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=4, screen_size=84)
+    # noop_max=1 is ale-py's smallest: no noop frame (seen here: episode frame 0 after reset)
+    vector = AtariVectorEnv(
+        utils.rom_id(f"{game}-v5"), 1, num_threads=1, repeat_action_probability=0.0, noop_max=1,
+        use_fire_reset=False, frameskip=4, stack_num=1, reward_clipping=False, autoreset_mode="SameStep",
+    )  # fmt: skip
+    frame, _ = env.reset(seed=0)
+    frames, _ = vector.reset(seed=0)
+    np.testing.assert_array_equal(frames[0, 0], frame)
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        action = int(rng.integers(env.action_space.n))
+        frame, reward, terminated, truncated, _ = env.step(action)
+        frames, rewards, *_ = vector.step(np.array([action]))
+        assert not (terminated or truncated)  # at a game over the vector env returns the next game's frame
+        np.testing.assert_array_equal(frames[0, 0], frame)
+        assert rewards[0] == reward
+    env.close()
+    vector.close()
+
+
 def test_threaded_envs_episode_accounting():
     """Full-game returns from unclipped rewards, clipped rewards and life-loss terminals for the
     learner: checked against a plain ale-py env with the same seed and actions."""
