@@ -128,12 +128,13 @@ def main():
     args = parser.parse_args()
 
     results = {name: [] for name in ENGINES}
+    names = list(ENGINES)
     order = np.random.default_rng(0)
     for r in range(args.rounds):
         # a new order each round, so that no engine always follows the same one (the async
         # gymnasium env's worker processes, for one, may still be exiting)
-        for i in order.permutation(len(ENGINES)):
-            name = list(ENGINES)[i]
+        for i in order.permutation(len(names)):
+            name = names[i]
             sps = ENGINES[name](args.env_id, args.num_envs, args.threads, args.steps, r)
             results[name].append(sps)
             print(f"round {r + 1}: {name}: {sps:,.0f} steps/s", file=sys.stderr, flush=True)

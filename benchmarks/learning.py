@@ -82,8 +82,9 @@ def train(name, seed, total_timesteps, runs_dir, schedule_timesteps=None):
             if line.startswith("run directory: "):
                 run_dir = line.removeprefix("run directory: ").strip()
             progress = PROGRESS.search(line)
-            if progress and stop_step is None and int(progress.group(1).replace(",", "")) >= total_timesteps:
-                stop_step = int(progress.group(1).replace(",", ""))
+            step = int(progress.group(1).replace(",", "")) if progress else 0
+            if stop_step is None and step >= total_timesteps:
+                stop_step = step
                 process.send_signal(signal.SIGTERM)
         if process.wait() != 0 or run_dir is None:
             stderr.seek(0)

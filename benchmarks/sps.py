@@ -60,6 +60,7 @@ def main():
     # follows the same one, and ratios are taken within a round (runs minutes apart), whose
     # median is reported, because the machine's speed drifts by 30% over minutes here
     runs = [(mode, name) for mode in args.modes for name in variants]
+    # A2C has no separate rollout mode: its update is one pass over 80 samples
     runs = [(mode, name) for mode, name in runs if not (mode == "rollout-only" and name == "a2c")]
     results = {run: [] for run in runs}
     order = np.random.default_rng(0)
@@ -68,7 +69,7 @@ def main():
             for i in order.permutation(len(runs)):
                 mode, name = runs[i]
                 script, extra, budget = VARIANTS[name]
-                if mode == "rollout-only":  # A2C has no separate rollout mode (its update is 80 samples)
+                if mode == "rollout-only":
                     extra, budget = extra + ROLLOUT_ONLY, budget * 4
                 sps = measure(script, extra, budget, runs_dir)
                 results[(mode, name)].append(sps)
