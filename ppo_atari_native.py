@@ -329,6 +329,12 @@ if __name__ == "__main__":
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
             torch.cuda.set_device(device)
+        # before init_process_group: torch.optim imports torch._dynamo lazily, and imported after
+        # it, torch._dynamo keeps the process group and gloo's threads alive past
+        # destroy_process_group; a gloo thread that frees a collective's tensors while Python
+        # shuts down then aborts the process (SIGABRT after a finished run, seen under load)
+        import torch._dynamo  # noqa: F401
+
         dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"))
         rank, world_size = dist.get_rank(), dist.get_world_size()
 
