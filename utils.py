@@ -29,6 +29,14 @@ import torch
 SCORES_CSV = Path(__file__).with_name("atari_scores.csv")
 FRAME_SHAPE = (84, 84)
 STACK = 4
+# ale-py's vector env on the ALE v5 protocol, as every env here is made: 4 frames per agent
+# step (max-pooled), sticky actions 0.25, noops and FIRE at reset, 108k frames at most;
+# rewards unclipped (full-game returns are logged; the learner's are clipped apart), and
+# SameStep autoreset. Tests and benchmarks override single fields of it.
+ALE_V5 = dict(
+    frameskip=4, repeat_action_probability=0.25, noop_max=30, use_fire_reset=True,
+    max_num_frames_per_episode=108_000, reward_clipping=False, autoreset_mode="SameStep",
+)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- conventions
@@ -285,9 +293,8 @@ def evaluate(env_id, act, episodes, seed, device, capture_video=False, video_dir
 
     num_envs = min(episodes, 8)
     envs = AtariVectorEnv(
-        rom_id(env_id), num_envs, repeat_action_probability=0.25, reward_clipping=False,
-        autoreset_mode="SameStep", stack_num=STACK, num_threads=min(num_envs, os.cpu_count()),
-    )  # fmt: skip
+        rom_id(env_id), num_envs, **ALE_V5, stack_num=STACK, num_threads=min(num_envs, os.cpu_count())
+    )
     obs, info = envs.reset(seed=seed)
     returns, current = [], np.zeros(num_envs)
     started = np.zeros(num_envs, dtype=np.int64) + 1  # how many games each env has begun
@@ -429,17 +436,11 @@ class ThreadedAtariEnvs:
             AtariVectorEnv(
                 rom_id(env_id),
                 self.batch_size,
+                **ALE_V5,
                 num_threads=threads,
-                repeat_action_probability=0.25,
-                frameskip=4,
-                noop_max=30,
-                use_fire_reset=True,
-                max_num_frames_per_episode=108_000,
                 stack_num=1,
-                reward_clipping=False,
                 life_loss_info=life_loss_terminal,
-                autoreset_mode="SameStep",
-            )  # fmt: skip
+            )
             for _ in range(num_batches)
         ]
         self.num_actions = int(self.envs[0].single_action_space.n)

@@ -89,9 +89,8 @@ def run_ale(env_id, num_envs, threads, steps, seed=0):
     from ale_py.vector_env import AtariVectorEnv
 
     envs = AtariVectorEnv(
-        utils.rom_id(env_id), num_envs, num_threads=threads, repeat_action_probability=0.25, stack_num=4,
-        reward_clipping=False, life_loss_info=True, autoreset_mode="SameStep",
-    )  # fmt: skip
+        utils.rom_id(env_id), num_envs, **utils.ALE_V5, num_threads=threads, stack_num=4, life_loss_info=True
+    )
     return timed_steps(envs, num_envs, steps, seed)
 
 

@@ -42,16 +42,7 @@ def test_device_frame_stack_matches_ale_stack_num_4():
     n, num_batches = 4, 2
     envs = utils.ThreadedAtariEnvs("Breakout-v5", n, num_batches, 2, seed=7)
     reference = [
-        AtariVectorEnv(
-            "breakout",
-            n // num_batches,
-            repeat_action_probability=0.25,
-            stack_num=4,
-            reward_clipping=False,
-            life_loss_info=True,
-            autoreset_mode="SameStep",
-            num_threads=1,
-        )  # fmt: skip
+        AtariVectorEnv("breakout", n // num_batches, **utils.ALE_V5, stack_num=4, life_loss_info=True, num_threads=1)
         for _ in range(num_batches)
     ]
     game_overs = 0
@@ -80,10 +71,9 @@ def test_native_and_baseline_env_pipelines_give_the_same_frames(game):
     env = gym.make(f"ALE/{game}-v5", frameskip=1, repeat_action_probability=0.0)
     env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=4, screen_size=84)
     # noop_max=1 is ale-py's smallest: no noop frame (seen here: episode frame 0 after reset)
-    vector = AtariVectorEnv(
-        utils.rom_id(f"{game}-v5"), 1, num_threads=1, repeat_action_probability=0.0, noop_max=1,
-        use_fire_reset=False, frameskip=4, stack_num=1, reward_clipping=False, autoreset_mode="SameStep",
-    )  # fmt: skip
+    # utils' own settings, but for the random draws
+    no_draws = dict(repeat_action_probability=0.0, noop_max=1, use_fire_reset=False)
+    vector = AtariVectorEnv(utils.rom_id(f"{game}-v5"), 1, **{**utils.ALE_V5, **no_draws}, num_threads=1, stack_num=1)
     frame, _ = env.reset(seed=0)
     frames, _ = vector.reset(seed=0)
     np.testing.assert_array_equal(frames[0, 0], frame)
