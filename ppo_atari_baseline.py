@@ -95,29 +95,21 @@ class Args:
     """the number of iterations (computed in runtime)"""
 
 
-class FireReset(gym.Wrapper):
-    """Press FIRE after a reset, for games that wait for it (as ale-py's use_fire_reset does)."""
-
-    def reset(self, **kwargs):
-        self.env.reset(**kwargs)
-        obs, _, terminated, truncated, info = self.env.step(1)
-        if terminated or truncated:
-            obs, info = self.env.reset(**kwargs)
-        return obs, info
-
-
 class LifeLossTerminal(gym.Wrapper):
-    """Report a lost life as terminal to the learner without restarting the game.
+    """Report a lost life as terminal to the learner while the game goes on (as ale-py's
+    life_loss_info does for the native scripts).
 
-    The vector env then calls reset(), which only restarts the game when it really ended;
-    otherwise it takes a no-op step, so frame stacks and episode statistics (recorded inside
-    this wrapper) run over the full game.
+    The vector env then calls reset() (no arguments), which restarts the game only when it
+    really ended; after a lost life it returns the last observation and takes no step, so
+    frame stacks and episode statistics (recorded inside this wrapper) run over the full game.
+    A reset with a seed or options always restarts the game.
     """
 
     def __init__(self, env):
         super().__init__(env)
         self.lives = 0
         self.game_over = True
+        self.last = None
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
@@ -125,16 +117,14 @@ class LifeLossTerminal(gym.Wrapper):
         lives = self.env.unwrapped.ale.lives()
         terminated = terminated or 0 < lives < self.lives
         self.lives = lives
+        self.last = obs, info
         return obs, reward, terminated, truncated, info
 
-    def reset(self, **kwargs):
-        if self.game_over:
-            obs, info = self.env.reset(**kwargs)
-        else:
-            obs, _, terminated, truncated, info = self.env.step(0)
-            if terminated or truncated:
-                obs, info = self.env.reset(**kwargs)
+    def reset(self, *, seed=None, options=None):
+        if not self.game_over and seed is None and options is None:
+            return self.last
         self.game_over = False
+        obs, info = self.env.reset(seed=seed, options=options)
         self.lives = self.env.unwrapped.ale.lives()
         return obs, info
 
@@ -150,13 +140,14 @@ def make_env(env_id, seed, life_loss_terminal):
             # a worker process: Ctrl-C is for the main process, which stops the run cleanly
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         gym.register_envs(ale_py)
-        # ALE v5 protocol: sticky actions 0.25, 108k frames at most. frameskip=1 here because
-        # AtariPreprocessing skips 4 frames itself (with max-pooling): never skip twice.
+        # ALE v5 protocol (utils.ALE_V5): sticky actions 0.25, 108k frames at most. frameskip=1
+        # here because AtariPreprocessing skips 4 frames itself (with max-pooling): never skip
+        # twice. The game starts as ale-py's vector env starts it (FIRE for one frame, then
+        # noop frames), so this script and the native ones play the same game.
         env = gym.make(f"ALE/{utils.game_name(env_id)}-v5", frameskip=1, repeat_action_probability=0.25)
-        env = gym.wrappers.AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84)
+        env = utils.AleV5GameStart(env)
+        env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=4, screen_size=84)
         env = gym.wrappers.RecordEpisodeStatistics(env)  # full games, unclipped, agent steps
-        if "FIRE" in env.unwrapped.get_action_meanings():
-            env = FireReset(env)
         env = gym.wrappers.FrameStackObservation(env, 4, padding_type="zero")
         if life_loss_terminal:
             env = LifeLossTerminal(env)

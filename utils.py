@@ -23,20 +23,57 @@ import time
 from collections import deque
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import torch
 
 SCORES_CSV = Path(__file__).with_name("atari_scores.csv")
 FRAME_SHAPE = (84, 84)
 STACK = 4
-# ale-py's vector env on the ALE v5 protocol, as every env here is made: 4 frames per agent
-# step (max-pooled), sticky actions 0.25, noops and FIRE at reset, 108k frames at most;
-# rewards unclipped (full-game returns are logged; the learner's are clipped apart), and
-# SameStep autoreset. Tests and benchmarks override single fields of it.
+# The ALE v5 protocol, which every script follows: ale-py's own vector env (AtariVectorEnv),
+# configured by ALE_V5, and for the baseline's gymnasium pipeline, AleV5GameStart below.
+# - An agent step is 4 frames, max-pooled over the last two; sticky actions 0.25 (each frame
+#   repeats the previous action with probability 0.25); a game is cut at 108k frames.
+# - Game start: the game is reset, FIRE is pressed for one frame where the game has it, then
+#   max(0, U{0..29} - 1) noop frames follow: 1 to 29 frames pass before the first observation.
+#   The FIRE frame is itself subject to sticky actions (the previous action is NOOP), so
+#   Breakout serves the ball at the start of about 75% of games; in the others the agent has
+#   to press FIRE, as it must after every lost life.
+# - A lost life is terminal for the learner (life_loss_info) while the game goes on: no reset,
+#   no extra step, no automatic FIRE. Episode returns and lengths are full games, unclipped.
+# - The first observation of a game has its three older stack slots zero.
+# Why ale-py's game start: the native scripts step ale-py's C++ vector env, whose reset cannot
+# be changed from Python without giving up its speed, and SLM Lab's published v5 scores were
+# made on it; so the baseline reproduces it rather than the other way round.
+# Rewards come back unclipped (full-game returns are logged; the learner's are clipped apart)
+# and autoreset is SameStep. Tests and benchmarks override single fields of it.
 ALE_V5 = dict(
     frameskip=4, repeat_action_probability=0.25, noop_max=30, use_fire_reset=True,
     max_num_frames_per_episode=108_000, reward_clipping=False, autoreset_mode="SameStep",
 )  # fmt: skip
+
+
+class AleV5GameStart(gym.Wrapper):
+    """ale-py's vector-env game start (the protocol above) for a gymnasium ALE env made with
+    frameskip=1: reset, FIRE for one frame where the game has it, then max(0, U{0..29} - 1)
+    noop frames. Put it under AtariPreprocessing(noop_max=0), which then only reads the screen.
+    """
+
+    def __init__(self, env, noop_max=ALE_V5["noop_max"]):
+        super().__init__(env)
+        self.noop_max = noop_max
+        self.fire = "FIRE" in env.unwrapped.get_action_meanings()
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        if self.fire:
+            obs, _, _, _, info = self.env.step(1)
+        noops = int(self.env.unwrapped.np_random.integers(0, self.noop_max)) - self.fire
+        for _ in range(noops):
+            obs, _, terminated, truncated, info = self.env.step(0)
+            if terminated or truncated:
+                obs, info = self.env.reset()
+        return obs, info
 
 
 # ----------------------------------------------------------------------------- conventions
@@ -295,7 +332,7 @@ def evaluate(env_id, act, episodes, seed, device, capture_video=False, video_dir
     envs = AtariVectorEnv(
         rom_id(env_id), num_envs, **ALE_V5, stack_num=STACK, num_threads=min(num_envs, os.cpu_count())
     )
-    obs, info = envs.reset(seed=seed)
+    obs, info = seeded_reset(envs, seed)
     returns, current = [], np.zeros(num_envs)
     started = np.zeros(num_envs, dtype=np.int64) + 1  # how many games each env has begun
     quota = np.array([episodes // num_envs + (i < episodes % num_envs) for i in range(num_envs)])
@@ -317,8 +354,6 @@ def evaluate(env_id, act, episodes, seed, device, capture_video=False, video_dir
 
 
 def _evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
-    import gymnasium as gym
-
     try:
         import moviepy  # noqa: F401  (gymnasium's RecordVideo needs it)
     except ImportError:
@@ -328,13 +363,12 @@ def _evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
     gym.register_envs(ale_py)
     env = gym.make(f"ALE/{game_name(env_id)}-v5", frameskip=1, render_mode="rgb_array")
     env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda e: True)
-    env = gym.wrappers.AtariPreprocessing(env, noop_max=30, frame_skip=4, screen_size=84)
+    env = AleV5GameStart(env)
+    env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=4, screen_size=84)
     env = gym.wrappers.FrameStackObservation(env, STACK, padding_type="zero")
     returns = []
     for episode in range(episodes):
         obs, _ = env.reset(seed=seed + episode)
-        if "FIRE" in env.unwrapped.get_action_meanings():
-            obs, *_ = env.step(1)
         done, total = False, 0.0
         while not done:
             with torch.no_grad():
@@ -410,6 +444,18 @@ def make_profiler(enabled: bool, run_dir, device: torch.device):
 
 
 # ----------------------------------------------------------------------------- threaded envs
+def seeded_reset(envs, seed):
+    """Seed an ale-py AtariVectorEnv and start its games; returns (obs, info) of the start.
+
+    ale-py seeds each env's noop generator and ALE's sticky-action generator with the same
+    seed, so their first draws agree: the first game's FIRE frame was dropped exactly when its
+    noop count was small (seen here, Breakout: no ball served iff at most 7 frames before the
+    first observation). A second reset, unseeded, draws both from unrelated positions.
+    """
+    envs.reset(seed=seed)
+    return envs.reset()
+
+
 class ThreadedAtariEnvs:
     """`num_envs` ale-py envs (v5 protocol) split into `num_batches` fixed, independent batches.
 
@@ -459,7 +505,7 @@ class ThreadedAtariEnvs:
         seed = self.seed if seed is None else seed
         frames = np.empty((self.num_envs, *FRAME_SHAPE), dtype=np.uint8)
         for b, env in enumerate(self.envs):
-            obs, info = env.reset(seed=seed + b * self.batch_size)
+            obs, info = seeded_reset(env, seed + b * self.batch_size)
             frames[self.slices[b]] = obs[:, -1]
             self.frame_number[self.slices[b]] = info["episode_frame_number"]
         self.episode_return[:] = 0

@@ -54,4 +54,4 @@ def test_baseline_episode_accounting():
     assert set(clipped) <= {0.0, 1.0} and sum(clipped) > 0
     assert max(raw_rewards) > 1  # so clipping really changed something
     assert float(episode["r"]) == pytest.approx(sum(raw_rewards))
-    assert int(episode["l"]) == len(raw_rewards)  # agent steps, including the no-op after each life
+    assert int(episode["l"]) == len(raw_rewards)  # agent steps: no extra step after a lost life

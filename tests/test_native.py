@@ -48,7 +48,7 @@ def test_device_frame_stack_matches_ale_stack_num_4():
     game_overs = 0
     for step, obs, _, _, actions in play(envs, num_batches, 1200, seed=7):
         if actions is None:
-            expected = np.concatenate([ref.reset(seed=7 + b * 2)[0] for b, ref in enumerate(reference)])
+            expected = np.concatenate([utils.seeded_reset(ref, 7 + b * 2)[0] for b, ref in enumerate(reference)])
         else:
             expected = np.concatenate([ref.step(actions[b * 2 : b * 2 + 2])[0] for b, ref in enumerate(reference)])
         np.testing.assert_array_equal(obs.numpy(), expected, err_msg=f"step {step}")
@@ -98,7 +98,7 @@ def test_threaded_envs_episode_accounting():
     plain = AtariVectorEnv(
         "space_invaders", 1, repeat_action_probability=0.25, stack_num=1, reward_clipping=False, num_threads=1
     )
-    plain.reset(seed=3)
+    utils.seeded_reset(plain, 3)
     raw_total, raw_max, length, terminals, clipped = 0.0, 0.0, 0, 0, []
     for step, _, rewards, dones, actions in play(envs, 1, 5000, seed=3):
         if actions is None:

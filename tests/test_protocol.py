@@ -1,0 +1,148 @@
+"""The ALE v5 protocol (utils.ALE_V5) is one game for every script: with sticky actions, FIRE and
+noops on, the native envs (ale-py's vector env) and the baseline's gymnasium pipeline start
+games and go on after a lost life alike. Their random draws differ, so what is compared is the
+distributions over a few hundred game starts, within sampling error.
+
+Under a fixed action sequence (NOOP throughout), per game start:
+- the frames that pass before the first observation (FIRE and noops);
+- whether Breakout's ball was served (a life is lost only if it was: nobody presses FIRE);
+- the agent step at which the first life is lost.
+"""
+
+import numpy as np
+import pytest
+
+import utils
+from ppo_atari_baseline import make_env
+
+STARTS = 320  # game starts per pipeline
+STEPS = 40  # agent steps watched after each start (a served ball is lost by step ~24)
+
+
+def native_starts(game, steps=STEPS, num_envs=32):
+    """(frames before the first observation, agent step of the first lost life or 0) per game
+    start, from utils.ThreadedAtariEnvs as the native scripts make it: seeded once (the first
+    num_envs rows), then new games without reseeding (a seeded start loads the ROM: slow)."""
+    envs = utils.ThreadedAtariEnvs(f"{game}-v5", num_envs, 1, 2, seed=0)
+    rewards, dones = np.zeros(num_envs, np.float32), np.zeros(num_envs, np.float32)
+    noop = np.zeros(num_envs, dtype=np.int64)
+    rows = []
+    for start in range(STARTS // num_envs):
+        if start == 0:
+            envs.reset()
+            frames = envs.frame_number.copy()
+        else:
+            frames = envs.envs[0].reset()[1]["episode_frame_number"].copy()
+        first_loss = np.zeros(num_envs, dtype=np.int64)
+        for step in range(1, steps + 1):
+            envs.send(0, noop)
+            envs.recv(0, rewards, dones)  # dones: a lost life (life_loss_terminal) or a game over
+            first_loss[(dones > 0) & (first_loss == 0)] = step
+        rows += zip(frames.tolist(), first_loss.tolist())
+    envs.close()
+    return np.array(rows)
+
+
+def baseline_starts(game, steps=STEPS):
+    """The same from ppo_atari_baseline.make_env's gymnasium pipeline (lives read from ALE)."""
+    env = make_env(f"{game}-v5", seed=0, life_loss_terminal=False)()
+    ale = env.unwrapped.ale
+    rows = []
+    for start in range(STARTS):
+        env.reset(seed=0 if start == 0 else None)
+        frames, lives, first_loss = ale.getEpisodeFrameNumber(), ale.lives(), 0
+        for step in range(1, steps + 1):
+            env.step(0)
+            if ale.lives() < lives:
+                first_loss = step
+                break
+        rows.append((frames, first_loss))
+    env.close()
+    return np.array(rows)
+
+
+def ks_statistic(a, b):
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical CDFs."""
+    values = np.union1d(a, b)
+    cdf_a = np.searchsorted(np.sort(a), values, side="right") / len(a)
+    cdf_b = np.searchsorted(np.sort(b), values, side="right") / len(b)
+    return np.abs(cdf_a - cdf_b).max()
+
+
+def ks_critical(n, m, c=1.95):
+    """The KS statistic's critical value at p = 0.001 (c(alpha) = sqrt(-ln(alpha / 2) / 2));
+    conservative for discrete values like these."""
+    return c * np.sqrt((n + m) / (n * m))
+
+
+def assert_same_distribution(name, a, b):
+    statistic, critical = ks_statistic(a, b), ks_critical(len(a), len(b))
+    assert statistic < critical, (
+        f"{name}: KS {statistic:.3f} >= {critical:.3f}; native mean {a.mean():.2f}, baseline {b.mean():.2f}"
+    )
+
+
+@pytest.fixture(scope="module")
+def breakout():
+    return native_starts("Breakout"), baseline_starts("Breakout")
+
+
+def test_frames_before_the_first_observation(breakout):
+    """FIRE for one frame, then max(0, U{0..29} - 1) noop frames: 1 to 29 frames in both."""
+    native, baseline = breakout
+    for rows in (native, baseline):
+        assert rows[:, 0].min() >= 1 and rows[:, 0].max() <= 29
+        assert len(np.unique(rows[:, 0])) >= 25  # the noops really are drawn
+    assert_same_distribution("frames before the first observation", native[:, 0], baseline[:, 0])
+
+
+def test_ball_served_as_often(breakout):
+    """The FIRE frame is dropped by sticky actions (p = 0.25) in both, so about 3 games in 4
+    start with the ball in play."""
+    native, baseline = breakout
+    served_native, served_baseline = (native[:, 1] > 0).mean(), (baseline[:, 1] > 0).mean()
+    for served in (served_native, served_baseline):
+        assert 0.6 < served < 0.9
+    pooled = (served_native + served_baseline) / 2
+    z = abs(served_native - served_baseline) / np.sqrt(pooled * (1 - pooled) * 2 / STARTS)
+    assert z < 3.3, (served_native, served_baseline)
+
+
+def test_steps_to_the_first_lost_life(breakout):
+    native, baseline = (rows[rows[:, 1] > 0, 1] for rows in breakout)  # served games
+    assert_same_distribution("steps to the first lost life", native, baseline)
+
+
+def test_after_a_lost_life_the_game_goes_on_without_a_step():
+    """A lost life is terminal for the learner and nothing else: the baseline's reset after it
+    returns the last observation and takes no step, as ale-py's vector env does not."""
+    env = make_env("Breakout-v5", seed=0, life_loss_terminal=True)()
+    env.reset(seed=3)
+    env.step(1)  # serve, so that the ball is lost under NOOP
+    for _ in range(200):
+        obs, _, terminated, _, _ = env.step(0)
+        if terminated:
+            break
+    else:
+        pytest.fail("no life lost")
+    frame = env.unwrapped.ale.getEpisodeFrameNumber()
+    again, _ = env.reset()
+    assert env.unwrapped.ale.getEpisodeFrameNumber() == frame
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(obs))
+    env.close()
+
+
+def test_games_without_fire_start_after_0_to_29_noop_frames():
+    native, baseline = native_starts("MsPacman", steps=0), baseline_starts("MsPacman", steps=0)
+    for rows in (native, baseline):
+        assert rows[:, 0].min() >= 0 and rows[:, 0].max() <= 29
+    assert_same_distribution("frames before the first observation", native[:, 0], baseline[:, 0])
+
+
+def test_the_seeded_start_does_not_tie_fire_to_the_noop_count(breakout):
+    """ale-py seeds an env's noop draw and its sticky actions with the same seed: started once,
+    the ball went unserved exactly in the games with at most 7 frames before the first
+    observation. utils.seeded_reset starts the games a second time, unseeded."""
+    seeded = breakout[0][:32]
+    served = seeded[:, 1] > 0
+    assert (served & (seeded[:, 0] <= 7)).any() and (~served & (seeded[:, 0] > 7)).any(), seeded.tolist()
