@@ -4,9 +4,13 @@ Runs the scripts one after another (never two at once: they would share the core
 every full-game return from their TensorBoard files, and writes
   OUT.csv  rows (script, seed, step, wall_time_s, return)
   OUT.png  return vs steps and return vs wall time (mean of the last 20 games, per run)
-and prints a summary: the mean return over the last 20 full games of each run, its wall time,
-the wall time at which each run's 20-game mean first reached the baseline's final one, and
-the mean return of the games ended in each fifth of the run (the whole curve, not its end).
+and prints a summary: the mean return over the last 20 and the last 100 full games of each run,
+its wall time, the wall time at which each run's 20-game mean first reached the baseline's
+final one, the mean return of the games ended in each fifth of the run (the whole curve, not
+its end), and per script the mean over seeds of the last fifth with a 95% confidence interval
+(Student's t over seeds), and the paired difference of each script from the baseline (seed by
+seed, the seeds both ran) with its interval. An interval that contains 0 does not show a
+difference. rl-zoo's published A2C Breakout points are drawn beside A2C runs.
 matplotlib is needed for the plot only: pip install -r benchmarks/requirements.txt
 Run: python benchmarks/learning.py --total-timesteps 500000 --seeds 1 2
      python benchmarks/learning.py --total-timesteps 500000 --schedule-timesteps 10000000
@@ -39,6 +43,12 @@ VARIANTS = {
     "a2c": ("a2c_atari.py", []),
 }
 WINDOW = 20  # games in the running mean, as in the issue's target
+LAST_GAMES = 100  # a second, less noisy end-of-run mean
+# Student's t, two-sided 95%, by degrees of freedom (seeds - 1); scipy is not a requirement
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+# rl-zoo's A2C on BreakoutNoFrameskip-v4 (no sticky actions, FIRE after every lost life):
+# (agent steps, mean return), read from its published training curve
+RL_ZOO_A2C = [(500_000, 1.3), (1_000_000, 2.1), (2_500_000, 3.8), (4_000_000, 18.0)]
 COLUMNS = ["script", "seed", "step", "wall_time_s", "return"]  # of OUT.csv
 PROGRESS = re.compile(r"step ([\d,]+)/")  # the scripts' progress line
 
@@ -108,6 +118,9 @@ def plot(rows, path):
         label = name if seed == min(s for n, s in group(rows) if n == name) else None
         by_step.plot(steps, mean, color=color, label=label, alpha=0.9)
         by_time.plot(times / 60, mean, color=color, label=label, alpha=0.9)
+    if any(name == "a2c" for name, _ in group(rows)):
+        steps, returns = zip(*RL_ZOO_A2C)
+        by_step.plot(steps, returns, "k^", label="rl-zoo A2C (v4, published)")
     by_step.set_xlabel("agent steps")
     by_time.set_xlabel("wall time (minutes)")
     for ax in (by_step, by_time):
@@ -126,13 +139,24 @@ def group(rows):
     return runs
 
 
+def interval(values):
+    """(mean, half-width of the 95% t interval) over seeds; no interval from one seed."""
+    values = np.asarray(values, dtype=float)
+    if len(values) < 2:
+        return float(values.mean()), float("nan")
+    return float(values.mean()), T95[len(values) - 1] * float(values.std(ddof=1)) / np.sqrt(len(values))
+
+
 def summary(rows):
     runs = group(rows)
     finals = {key: float(np.mean([r for _, _, r in run[-WINDOW:]])) for key, run in runs.items()}
     base = [v for (name, _), v in finals.items() if name == "baseline"]
     target = float(np.mean(base)) if base else None
-    lines = ["| script | seed | games | return, last 20 games | wall time | time to baseline's final return |"]
-    lines.append("|---|---|---|---|---|---|")
+    lines = [
+        f"| script | seed | games | return, last {WINDOW} games | last {LAST_GAMES} games | wall time "
+        "| time to baseline's final return |"
+    ]
+    lines.append("|---|---|---|---|---|---|---|")
     for (name, seed), run in sorted(runs.items()):
         steps, times, returns = np.array(run).T
         mean = running_mean(returns)
@@ -140,8 +164,10 @@ def summary(rows):
         if target is not None:
             hits = np.flatnonzero(mean[WINDOW - 1 :] >= target)
             reached = f"{times[hits[0] + WINDOW - 1] / 60:.1f} min" if len(hits) else "not reached"
+        last = returns[-LAST_GAMES:].mean()
         lines.append(
-            f"| {name} | {seed} | {len(run)} | {finals[(name, seed)]:.2f} | {times[-1] / 60:.1f} min | {reached} |"
+            f"| {name} | {seed} | {len(run)} | {finals[(name, seed)]:.2f} | {last:.2f} | {times[-1] / 60:.1f} min "
+            f"| {reached} |"
         )
     if target is not None:
         lines.append(f"\nbaseline's final return (mean over its seeds of the last {WINDOW} games): {target:.2f}")
@@ -155,18 +181,32 @@ def summary(rows):
         steps, _, returns = np.array(run).T
         means = [returns[(steps > lo) & (steps <= hi)].mean() for lo, hi in zip(edges[:-1], edges[1:])]
         lines.append(f"| {name} | {seed} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
-        last_fifth.setdefault(name, []).append(means[-1])
+        last_fifth.setdefault(name, {})[seed] = means[-1]
     # per script, over its seeds: what the targets are about. The last fifth averages a few
     # hundred games per run, so it is far less noisy than the last 20 games
     lines += ["", f"| script | seeds | return, last {WINDOW} games: mean (range) | last fifth: mean (range) |"]
     lines.append("|---|---|---|---|")
     for name in sorted(last_fifth):
         final = np.array([v for (n, _), v in sorted(finals.items()) if n == name])
-        fifth = np.array(last_fifth[name])
+        fifth = np.array(list(last_fifth[name].values()))
         lines.append(
             f"| {name} | {len(final)} | {final.mean():.2f} ({final.min():.2f}-{final.max():.2f}) "
             f"| {fifth.mean():.2f} ({fifth.min():.2f}-{fifth.max():.2f}) |"
         )
+    # what the seeds support: the last fifth's mean with its 95% interval, and each script's
+    # paired difference from the baseline over the seeds both ran
+    lines += ["", "| script | seeds | last fifth: mean [95% CI] | minus baseline, paired by seed: mean [95% CI] |"]
+    lines.append("|---|---|---|---|")
+    base = last_fifth.get("baseline", {})
+    for name in sorted(last_fifth):
+        mean, half = interval(list(last_fifth[name].values()))
+        paired = "-"
+        shared = sorted(set(last_fifth[name]) & set(base))
+        if name != "baseline" and shared:
+            diff, diff_half = interval([last_fifth[name][s] - base[s] for s in shared])
+            paired = f"{diff:+.2f} [{diff - diff_half:+.2f}, {diff + diff_half:+.2f}] ({len(shared)} seeds)"
+        seeds = len(last_fifth[name])
+        lines.append(f"| {name} | {seeds} | {mean:.2f} [{mean - half:.2f}, {mean + half:.2f}] | {paired} |")
     return "\n".join(lines)
 
 
