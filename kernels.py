@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the inference path of an Atari policy network.
+"""Fused Triton kernels for the rollout of an Atari policy network, and the fused inference
+step that ppo_atari_native.py and a2c_atari.py share.
 
 After the conv body, a rollout step of a CleanRL-style agent runs three kernels here:
 
@@ -6,16 +7,26 @@ After the conv body, a rollout step of a CleanRL-style agent runs three kernels 
 2. `policy_value_heads`: actor logits and critic value from one read of the hidden state.
 3. `sample_logits`: inverse-CDF sampling from given uniforms, with log-prob and entropy.
 
-Eager torch dispatches 13 compute ops for the same work, 25 plus 2 host syncs with
-Categorical's default argument validation (counted by benchmarks/kernels.py).
+Before the conv body, `push_frames` moves an env batch's 4-frame stacks one step on (the older
+frames shift, a game that just ended gets zeros there, the new frame comes in) and writes the
+network's float input, scaled by 1/255, in one pass. Section 5, `policy_step`, is the whole
+device side of one env batch's step, as both native scripts run it (and capture it in a CUDA
+graph on a GPU).
 
 Each kernel is followed by its Python wrapper (argument checks, block sizes, launch grid)
 and by a plain torch reference with the same signature. The wrappers launch Triton for CUDA
 tensors, and for CPU tensors only when TRITON_INTERPRET=1 was set before this module was
 imported (Triton's interpreter: exact but slow, meant for tests); other CPU calls go to the
-torch reference. float32 is the contract for every input and output. Dot products run in
-full float32 precision (no TF32) and accumulate in float32, so rollout log-probs match a
-float32 torch network to about 1e-6.
+torch reference.
+
+Precision. Outputs are float32. `linear_gelu` takes float32 or bfloat16 operands (x and weight
+alike) and adds up in float32: bfloat16 on tensor cores; float32 as "tf32x3" on sm_80 and newer
+(three tensor-core passes, float32 accuracy: products within ~1e-6, the project's policy is no
+TF32 rounding for fp32) and as "ieee" FMA loops on sm_75 and in the interpreter. The heads and
+the sampler read float32 or bfloat16 and compute in float32. The training network computes the
+same function in the same precision (see the Agent's `hidden` in the scripts), so rollout
+log-probs equal the learner's: to ~1e-6 in fp32, and in bf16 up to the convolutions' bf16
+rounding of outputs when cuDNN adds up in another order.
 
 Sampling rule, shared by kernel and reference (one exact formulation, so both pick the same
 action for the same uniform u, up to float rounding at CDF boundaries). Per row, with
@@ -27,13 +38,16 @@ actions with e_a > 0); it guarantees that a masked action (-inf logit) is never 
 logprob = z_action - log S, entropy = log S - sum_a (e_a / S) z_a over actions with e_a > 0
 (0 log 0 = 0), so -inf logits are allowed as long as a row has at least one finite logit.
 
-Block sizes and warps come from small deterministic helpers (`_linear_gelu_config`,
-`_heads_config`, `_sample_config`), so `aot_compile_table` can compile for real GPUs exactly
-the configurations the wrappers launch, also on a machine without a GPU.
+Block sizes, warps and stages come from small deterministic helpers (`_linear_gelu_config`,
+`_heads_config`, `_sample_config`, `_push_config`), so `aot_compile_table` can compile for real
+GPUs exactly the configurations the wrappers launch, also on a machine without a GPU. They were
+chosen by reasoning about tile sizes and shared memory, not tuned on a GPU; benchmarks/kernels.py
+times them there.
 """
 
 import concurrent.futures
 import contextlib
+import functools
 import json
 import os
 import re
@@ -41,24 +55,36 @@ import subprocess
 import sys
 import tempfile
 import threading
+from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 # Triton on CPU tensors only under the interpreter; read once, at import, like Triton does.
 USE_TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Number of Triton kernel launches made by the wrappers (for benchmarks and tests).
+# Number of Triton kernel launches made by the wrappers (for benchmarks and tests); counted
+# under a lock, as rollout worker threads launch concurrently.
 LAUNCHES = 0
+_COUNT_LOCK = threading.Lock()
 
 
 def triton_launch_count():
     return LAUNCHES
 
 
+def _counted():
+    global LAUNCHES
+    with _COUNT_LOCK:
+        LAUNCHES += 1
+
+
 # Triton's interpreter is not thread-safe (seen here: launches from the rollout's worker
-# threads failed under TRITON_INTERPRET=1), so CPU launches take turns; GPU launches need no lock.
+# threads failed under TRITON_INTERPRET=1), so CPU launches take turns. On a GPU the first
+# launch of each specialization compiles, which is not thread-safe either: the scripts warm
+# every launch up on the main thread before any worker starts (see `warm_up`).
 _INTERPRETER_LOCK = threading.Lock()
 
 
@@ -70,16 +96,31 @@ def _use_triton(device):
     return device.type == "cuda" or (device.type == "cpu" and USE_TRITON_ON_CPU)
 
 
-def _check(name, t, shape, device, dtype=torch.float32):
-    """Raise ValueError unless `t` is a contiguous `dtype` tensor of `shape` on `device`
-    (TypeError if it is not a tensor at all).
+@functools.cache
+def _cuda_capability(index):
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
 
-    `None` in `shape` accepts any size for that dimension.
-    """
+
+def capability(device):
+    """The compute capability (75, 80, 90, ...) of a CUDA device; None for the CPU interpreter."""
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+FLOAT = (torch.float32,)
+FLOAT_OR_BF16 = (torch.float32, torch.bfloat16)
+
+
+def _check(name, t, shape, device, dtypes=FLOAT):
+    """Raise ValueError unless `t` is a contiguous tensor of one of `dtypes`, of `shape`, on
+    `device` (TypeError if it is not a tensor at all). `None` in `shape` accepts any size."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name} must have dtype {want}, got {t.dtype}")
     if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
         want = tuple("*" if s is None else s for s in shape)
         raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
@@ -101,19 +142,21 @@ def _check_positive(name, value):
 
 @triton.jit
 def linear_gelu_kernel(
-    x_ptr,  # [B, K]
-    w_ptr,  # [N, K]
-    b_ptr,  # [N]
-    out_ptr,  # [B, N]
+    x_ptr,  # [B, K], float32 or bfloat16
+    w_ptr,  # [N, K], the same dtype
+    b_ptr,  # [N], float32
+    out_ptr,  # [B, N], float32
     B,
     N,
     K,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     # Axis 0 walks N fastest, so programs that run together share the same rows of x
-    # (read from DRAM once, then from L2); the weight (6.4 MB at 3136x512) stays in L2.
+    # (read from DRAM once, then from L2); the weight (3.2 MB in bf16) stays in L2.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -130,8 +173,11 @@ def linear_gelu_kernel(
         k_ok = (k0 + offs_k) < K
         a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        # "ieee": true float32 products; the GPU default (tf32) is off by ~3e-4.
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        if WIDEN:  # Triton's interpreter gets bf16 dots wrong: widen first (exact, same sums)
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        # bf16: exact products on tensor cores; fp32: "tf32x3" (tensor cores, fp32 accuracy)
+        # or "ieee" (FMA units); both add up in float32.
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
@@ -141,28 +187,39 @@ def linear_gelu_kernel(
     tl.store(out_ptrs, y, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _linear_gelu_config(B, N, K):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for a [B, K] x [K, N] product.
+def _linear_gelu_config(B, dtype, cc):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, dot precision) for x [B, K] @ W.T on
+    compute capability `cc` (None: the CPU interpreter).
 
-    Every tl.dot block dim is >= 16 (real GPUs reject smaller ones). Float32 "ieee" dots run
-    on FMA units with operands in registers, so BLOCK_K stays small: these tiles compile to
-    72-128 registers per thread without spills on sm_75..sm_90 (see aot_compile_table).
-    Small batches get narrow N tiles so that more programs stream the weight in parallel.
+    Every tl.dot block dim is >= 16 (real GPUs reject smaller ones). Without tensor cores
+    (float32 on sm_75 and in the interpreter) the dots are FMA loops with operands in
+    registers, so K tiles stay small. With them, K tiles are as deep as shared memory allows
+    (sm_89 has 99 KB per block: fp32 tiles are half as deep as bf16 ones) and a small batch
+    gets narrow N tiles, so that more programs stream the weight at once.
     """
-    if B <= 16:
-        return 16, 32, 32, 4
-    if B <= 128:
-        return 32, 64, 16, 4
-    return 64, 64, 16, 8
+    if cc is None or cc < 80:
+        if B <= 16:
+            return 16, 32, 32, 4, 2, "ieee"
+        if B <= 128:
+            return 32, 64, 16, 4, 2, "ieee"
+        return 64, 64, 16, 8, 2, "ieee"
+    if dtype == torch.float32:  # tf32x3: three tensor-core passes, float32 accuracy
+        tiles = {16: (16, 32, 64, 4, 4), 64: (32, 32, 64, 4, 4), 256: (64, 64, 32, 4, 4)}
+        large, precision = (128, 128, 32, 8, 3), "tf32x3"
+    else:  # bfloat16: products exact, sums float32
+        tiles = {16: (16, 32, 128, 4, 4), 64: (32, 32, 128, 4, 4), 256: (64, 64, 64, 4, 4)}
+        large, precision = (128, 128, 64, 8, 3), "ieee"
+    tile = next((tile for limit, tile in tiles.items() if B <= limit), large)
+    return (*tile, precision)
 
 
 def linear_gelu(x, weight, bias, out=None):
-    """gelu(x @ weight.T + bias), exact erf GELU. x [B, K], weight [N, K], bias [N] -> [B, N]."""
-    global LAUNCHES
-    _check("x", x, (None, None), None)
+    """gelu(x @ weight.T + bias), exact erf GELU. x [B, K] and weight [N, K] in float32 or
+    bfloat16 (the same), bias [N] float32 -> float32 [B, N]."""
+    _check("x", x, (None, None), None, FLOAT_OR_BF16)
     B, K = x.shape
     device = x.device
-    _check("weight", weight, (None, K), device)
+    _check("weight", weight, (None, K), device, (x.dtype,))
     N = weight.shape[0]
     _check_positive("K (x.shape[1])", K)
     _check_positive("N (weight.shape[0])", N)
@@ -175,36 +232,28 @@ def linear_gelu(x, weight, bias, out=None):
         return linear_gelu_reference(x, weight, bias, out=out)
     if B == 0:
         return out
-    BLOCK_M, BLOCK_N, BLOCK_K, num_warps = _linear_gelu_config(B, N, K)
+    BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, precision = _linear_gelu_config(B, x.dtype, capability(device))
     grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(B, BLOCK_M))
     with _launch_guard():
         linear_gelu_kernel[grid](
-            x,
-            weight,
-            bias,
-            out,
-            B,
-            N,
-            K,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            num_warps=num_warps,
+            x, weight, bias, out, B, N, K, BLOCK_M, BLOCK_N, BLOCK_K, precision, device.type == "cpu",
+            num_warps=num_warps, num_stages=num_stages,
             # Fused multiply-add contraction, as nvcc does for torch's own kernels (and set
-            # explicitly: Triton 3.9 warns when it is left to the default).
+            # explicitly: Triton warns when it is left to the default).
             enable_fp_fusion=True,
-        )
-    LAUNCHES += 1
+        )  # fmt: skip
+    _counted()
     return out
 
 
 def linear_gelu_reference(x, weight, bias, out=None):
-    """Torch reference for `linear_gelu` (no argument checks): addmm, then GELU in place.
+    """Torch reference for `linear_gelu` (no argument checks): addmm in float32, then GELU in
+    place. bfloat16 operands are widened first (exactly), so the sums are float32's.
 
-    The same ops as nn.Linear + nn.GELU(), so CPU results equal the training network's bit for
-    bit. (aten._addmm_activation(use_gelu=True) fuses both but differed by ~2e-6 at B=1.)
+    The same ops as the training network's float32 Linear + GELU, so CPU results equal it bit
+    for bit. (aten._addmm_activation(use_gelu=True) fuses both but differed by ~2e-6 at B=1.)
     """
-    out = torch.addmm(bias, x, weight.t(), out=out)
+    out = torch.addmm(bias, x.float(), weight.float().t(), out=out)
     torch.ops.aten.gelu_(out)
     return out
 
@@ -216,13 +265,13 @@ def linear_gelu_reference(x, weight, bias, out=None):
 
 @triton.jit
 def policy_value_heads_kernel(
-    h_ptr,  # [B, H]
-    wa_ptr,  # [A, H] actor weight
+    h_ptr,  # [B, H], float32 or bfloat16
+    wa_ptr,  # [A, H] actor weight, float32
     ba_ptr,  # [A]
     wc_ptr,  # [1, H] critic weight
     bc_ptr,  # [1]
-    logits_ptr,  # [B, A]
-    value_ptr,  # [B]
+    logits_ptr,  # [B, A], float32
+    value_ptr,  # [B], float32
     B,
     H,
     A,
@@ -240,12 +289,12 @@ def policy_value_heads_kernel(
     for k0 in range(0, H, BLOCK_H):
         ks = k0 + tl.arange(0, BLOCK_H)
         k_ok = ks < H
-        # Each tile of h is read once and feeds both heads.
+        # Each tile of h is read once and feeds both heads, in float32.
         h = tl.load(
             h_ptr + rows[:, None].to(tl.int64) * H + ks[None, :],
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
-        )
+        ).to(tl.float32)
         wa = tl.load(
             wa_ptr + acts[:, None] * H + ks[None, :],
             mask=act_ok[:, None] & k_ok[None, :],
@@ -287,9 +336,9 @@ def policy_value_heads(
     logits_out=None,
     value_out=None,
 ):
-    """Actor logits [B, A] and critic value [B] from hidden state h [B, H]."""
-    global LAUNCHES
-    _check("h", h, (None, None), None)
+    """Actor logits [B, A] and critic value [B] (float32) from hidden state h [B, H] (float32
+    or bfloat16); the heads' weights are float32."""
+    _check("h", h, (None, None), None, FLOAT_OR_BF16)
     B, H = h.shape
     device = h.device
     _check_positive("H (h.shape[1])", H)
@@ -309,13 +358,7 @@ def policy_value_heads(
         _check("value_out", value_out, (B,), device)
     if not _use_triton(device):
         return policy_value_heads_reference(
-            h,
-            actor_weight,
-            actor_bias,
-            critic_weight,
-            critic_bias,
-            logits_out,
-            value_out,
+            h, actor_weight, actor_bias, critic_weight, critic_bias, logits_out, value_out
         )
     if B == 0:
         return logits_out, value_out
@@ -323,23 +366,10 @@ def policy_value_heads(
     grid = (triton.cdiv(B, BLOCK_B),)
     with _launch_guard():
         policy_value_heads_kernel[grid](
-            h,
-            actor_weight,
-            actor_bias,
-            critic_weight,
-            critic_bias,
-            logits_out,
-            value_out,
-            B,
-            H,
-            A,
-            BLOCK_B,
-            BLOCK_A,
-            BLOCK_H,
-            num_warps=num_warps,
-            enable_fp_fusion=True,
-        )
-    LAUNCHES += 1
+            h, actor_weight, actor_bias, critic_weight, critic_bias, logits_out, value_out, B, H, A,
+            BLOCK_B, BLOCK_A, BLOCK_H, num_warps=num_warps, enable_fp_fusion=True,
+        )  # fmt: skip
+    _counted()
     return logits_out, value_out
 
 
@@ -352,7 +382,8 @@ def policy_value_heads_reference(
     logits_out=None,
     value_out=None,
 ):
-    """Torch reference for `policy_value_heads` (no argument checks)."""
+    """Torch reference for `policy_value_heads` (no argument checks), in float32."""
+    h = h.float()
     logits = torch.addmm(actor_bias, h, actor_weight.t(), out=logits_out)
     value = torch.addmv(critic_bias, h, critic_weight[0], out=value_out)
     return logits, value
@@ -365,7 +396,7 @@ def policy_value_heads_reference(
 
 @triton.jit
 def sample_logits_kernel(
-    logits_ptr,  # [B, A]
+    logits_ptr,  # [B, A], float32 or bfloat16
     uniform_ptr,  # [B]
     action_ptr,  # [B] int64
     logprob_ptr,  # [B]
@@ -384,7 +415,7 @@ def sample_logits_kernel(
         logits_ptr + rows[:, None].to(tl.int64) * A + acts[None, :],
         mask=row_ok[:, None] & act_ok[None, :],
         other=float("-inf"),
-    )
+    ).to(tl.float32)
     # Padding columns stay -inf (probability 0); padding rows become all zeros, so they
     # compute harmless numbers instead of NaNs (they are never stored).
     x = tl.where(row_ok[:, None], x, 0.0)
@@ -415,13 +446,12 @@ def _sample_config(B, A):
 
 
 def sample_logits(logits, uniform, action_out=None, logprob_out=None, entropy_out=None):
-    """Sample one action per row of logits [B, A] from uniform [B] in [0, 1).
+    """Sample one action per row of logits [B, A] (float32 or bfloat16) from uniform [B] in [0, 1).
 
     Returns action int64 [B], logprob float32 [B], entropy float32 [B]; see the module
     docstring for the exact rule. Each row needs at least one finite logit.
     """
-    global LAUNCHES
-    _check("logits", logits, (None, None), None)
+    _check("logits", logits, (None, None), None, FLOAT_OR_BF16)
     B, A = logits.shape
     device = logits.device
     _check_positive("A (logits.shape[1])", A)
@@ -429,7 +459,7 @@ def sample_logits(logits, uniform, action_out=None, logprob_out=None, entropy_ou
     if action_out is None:
         action_out = torch.empty((B,), dtype=torch.int64, device=device)
     else:
-        _check("action_out", action_out, (B,), device, dtype=torch.int64)
+        _check("action_out", action_out, (B,), device, (torch.int64,))
     if logprob_out is None:
         logprob_out = torch.empty((B,), dtype=torch.float32, device=device)
     else:
@@ -446,24 +476,16 @@ def sample_logits(logits, uniform, action_out=None, logprob_out=None, entropy_ou
     grid = (triton.cdiv(B, BLOCK_B),)
     with _launch_guard():
         sample_logits_kernel[grid](
-            logits,
-            uniform,
-            action_out,
-            logprob_out,
-            entropy_out,
-            B,
-            A,
-            BLOCK_B,
-            BLOCK_A,
-            num_warps=num_warps,
-            enable_fp_fusion=True,
-        )
-    LAUNCHES += 1
+            logits, uniform, action_out, logprob_out, entropy_out, B, A, BLOCK_B, BLOCK_A,
+            num_warps=num_warps, enable_fp_fusion=True,
+        )  # fmt: skip
+    _counted()
     return action_out, logprob_out, entropy_out
 
 
 def sample_logits_reference(logits, uniform, action_out=None, logprob_out=None, entropy_out=None):
     """Torch reference for `sample_logits` (no argument checks), the same rule step by step."""
+    logits = logits.float()
     z = logits - logits.amax(dim=1, keepdim=True)
     e = z.exp()
     pos = e > 0
@@ -481,59 +503,251 @@ def sample_logits_reference(logits, uniform, action_out=None, logprob_out=None, 
 
 
 # ---------------------------------------------------------------------------------------
+# 4. The frame stack: one step on, and the network's input
+# ---------------------------------------------------------------------------------------
+
+FRAME = 84 * 84  # bytes of one grayscale frame
+# One env's row of a staging buffer: its new frame, then one byte that is 1 where the env's
+# game goes on and 0 where it just ended (its older frames become zeros, as ale-py's own
+# stack does), padded to 16 bytes so that every row starts aligned.
+STAGED_ROW = FRAME + 16
+
+
+@triton.jit
+def push_frames_kernel(
+    prev_ptr,  # [B, 4, 84, 84] uint8: the stacks before this step
+    staged_ptr,  # [B, STAGED_ROW] uint8: new frames, then the keep flag
+    obs_ptr,  # [B, 4, 84, 84] uint8: the stacks after it (rollout storage)
+    x_ptr,  # [B, 4, 84, 84] float32 or bfloat16, channels_last: obs / 255, the network's input
+    STAGED_ROW: tl.constexpr,
+    SHIFT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    FRAME: tl.constexpr = 84 * 84
+    env = tl.program_id(1).to(tl.int64)
+    pixel = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = pixel < FRAME
+    prev = prev_ptr + env * 4 * FRAME
+    obs = obs_ptr + env * 4 * FRAME
+    x = x_ptr + env * 4 * FRAME + pixel * 4  # channels_last: the 4 frames of a pixel side by side
+    keep = tl.load(staged_ptr + env * STAGED_ROW + FRAME)
+    for c in tl.static_range(4):
+        if not SHIFT:  # a plain copy: the stacks carried over from the last horizon
+            v = tl.load(prev + c * FRAME + pixel, mask=ok)
+        elif c < 3:  # the older frames move down; zeros where a game just ended
+            v = tl.load(prev + (c + 1) * FRAME + pixel, mask=ok) * keep
+        else:  # the new frame
+            v = tl.load(staged_ptr + env * STAGED_ROW + pixel, mask=ok)
+        tl.store(obs + c * FRAME + pixel, v, mask=ok)
+        # float32 multiply, then one rounding (to nearest even) to x's dtype: what the learner's
+        # x * (1 / 255) does. (Triton's interpreter truncates instead: 1 bf16 ulp apart, seen here.)
+        tl.store(x + c, (v.to(tl.float32) * (1.0 / 255.0)).to(x_ptr.dtype.element_ty), mask=ok)
+
+
+def _push_config():
+    """(BLOCK, num_warps): 1024 pixels per program, 8 per thread."""
+    return 1024, 4
+
+
+def stage_frames(staging, frames, ended=()):
+    """Write an env batch's new frames [B, 84, 84] and keep flags into a host staging buffer
+    [B, STAGED_ROW] (a numpy view of pinned memory on a GPU), from which one copy moves both."""
+    staging[:, :FRAME] = frames.reshape(len(frames), FRAME)
+    staging[:, FRAME] = 1
+    staging[ended, FRAME] = 0
+
+
+def push_frames(prev, staged, obs_out, x_out, shift=True):
+    """The stacks one step on: obs_out[:, :3] = prev[:, 1:] (zeros where a game ended),
+    obs_out[:, 3] = the staged frame; with shift=False a plain copy of prev. Also writes
+    x_out = obs_out / 255 (float32 or bfloat16, channels_last), the network's input.
+
+    prev, obs_out uint8 [B, 4, 84, 84] (contiguous: env batches are slices of the storage);
+    staged uint8 [B, STAGED_ROW] on the device (see `stage_frames`).
+    """
+    _check("prev", prev, (None, 4, 84, 84), None, (torch.uint8,))
+    B, device = prev.shape[0], prev.device
+    _check("staged", staged, (B, STAGED_ROW), device, (torch.uint8,))
+    _check("obs_out", obs_out, (B, 4, 84, 84), device, (torch.uint8,))
+    if not isinstance(x_out, torch.Tensor) or x_out.dtype not in FLOAT_OR_BF16 or x_out.shape != (B, 4, 84, 84):
+        raise ValueError(f"x_out must be a float32 or bfloat16 tensor of shape {(B, 4, 84, 84)}")
+    if x_out.device != device or not x_out.is_contiguous(memory_format=torch.channels_last):
+        raise ValueError(f"x_out must be channels_last on {device}")
+    if not _use_triton(device):
+        return push_frames_reference(prev, staged, obs_out, x_out, shift)
+    if B == 0:
+        return obs_out, x_out
+    BLOCK, num_warps = _push_config()
+    grid = (triton.cdiv(FRAME, BLOCK), B)
+    with _launch_guard():
+        push_frames_kernel[grid](prev, staged, obs_out, x_out, STAGED_ROW, shift, BLOCK, num_warps=num_warps)
+    _counted()
+    return obs_out, x_out
+
+
+def push_frames_reference(prev, staged, obs_out, x_out, shift=True):
+    """Torch reference for `push_frames` (no argument checks); allocates nothing."""
+    if shift:
+        keep = staged[:, FRAME].view(-1, 1, 1, 1)
+        torch.mul(prev[:, 1:], keep, out=obs_out[:, :3])
+        obs_out[:, 3].copy_(staged[:, :FRAME].view(-1, 84, 84))
+    else:
+        obs_out.copy_(prev)
+    # uint8 -> float and NCHW -> channels_last in one copy (exact), then the scale in place:
+    # the same float32 product, rounded once more in bf16, as the learner's x * (1 / 255)
+    x_out.copy_(obs_out)
+    x_out.mul_(1.0 / 255.0)
+    return obs_out, x_out
+
+
+# ---------------------------------------------------------------------------------------
+# 5. The fused policy step, for the Nature CNN agent of the native scripts
+# ---------------------------------------------------------------------------------------
+
+
+def inference_weights(agent, dtype):
+    """The rollout's own copy of the policy, refreshed in place before every rollout (on the
+    default stream, which the env batches' streams then wait for), so that no rollout reads a
+    parameter while the optimizer writes it.
+
+    Convolutions in `dtype`, channels_last. Linear(3136, 512) in `dtype` with its columns
+    permuted to the (h, w, c) order in which channels_last features flatten, so the last
+    conv's output feeds it without a copy. Biases and heads in float32.
+    """
+    network = agent.network
+    convs, fc = (network[0], network[2], network[4]), network[7]
+    cl = torch.channels_last
+    w = SimpleNamespace(
+        conv_weight=[torch.empty_like(c.weight, dtype=dtype, memory_format=cl) for c in convs],
+        conv_bias=[torch.empty_like(c.bias, dtype=dtype) for c in convs],
+        fc_weight=torch.empty_like(fc.weight, dtype=dtype, memory_format=torch.contiguous_format),
+        fc_bias=torch.empty_like(fc.bias),
+        actor_weight=torch.empty_like(agent.actor.weight),
+        actor_bias=torch.empty_like(agent.actor.bias),
+        critic_weight=torch.empty_like(agent.critic.weight),
+        critic_bias=torch.empty_like(agent.critic.bias),
+        agent=agent,
+    )
+    refresh_inference_weights(w)
+    return w
+
+
+@torch.no_grad()
+def refresh_inference_weights(w):
+    """Copy the agent's current parameters into the rollout's copy (on the current stream)."""
+    network = w.agent.network
+    for i, conv in enumerate((network[0], network[2], network[4])):
+        w.conv_weight[i].copy_(conv.weight)
+        w.conv_bias[i].copy_(conv.bias)
+    fc = network[7]
+    w.fc_weight.copy_(fc.weight.view(512, 64, 7, 7).permute(0, 2, 3, 1).reshape(512, 3136))
+    w.fc_bias.copy_(fc.bias)
+    for name in ("actor_weight", "actor_bias", "critic_weight", "critic_bias"):
+        head, field = name.split("_")
+        getattr(w, name).copy_(getattr(getattr(w.agent, head), field))
+
+
+def inference_buffers(batch, num_actions, dtype, device):
+    """Everything one env batch's step writes apart from the rollout storage, allocated once."""
+    return SimpleNamespace(
+        staged=torch.empty((batch, STAGED_ROW), dtype=torch.uint8, device=device),
+        x=torch.empty((batch, 4, 84, 84), dtype=dtype, device=device, memory_format=torch.channels_last),
+        hidden=torch.empty((batch, 512), device=device),
+        logits=torch.empty((batch, num_actions), device=device),
+        entropy=torch.empty(batch, device=device),
+    )
+
+
+def conv_relu(x, weight, bias, stride):
+    """Convolution (no padding) + bias + ReLU. cuDNN runs conv and bias as two kernels, then the
+    ReLU is one more; under a CUDA graph the host pays one launch for the graph whatever its
+    node count, so torch.cudnn_convolution_relu's single node is left for a measured change
+    (its speed with channels_last varies: pytorch issue 68506)."""
+    return F.conv2d(x, weight, bias, stride).relu_()
+
+
+@torch.no_grad()
+def policy_step(w, buf, prev_obs, obs_out, uniform, action_out, logprob_out, value_out, shift=True):
+    """One env batch's step on the device, straight into views of the rollout storage:
+
+    the frames staged in buf.staged pushed onto the stacks (obs_out, from prev_obs; with
+    shift=False obs_out is a copy of prev_obs), then the network (three convolutions,
+    Linear + GELU, both heads) and sampling with the given uniforms. Ten kernels in fp32 or
+    bf16; nothing allocated but the convolutions' outputs (from the CUDA graph's own pool
+    when captured). Every address it touches is fixed per (step, batch), which is what lets
+    the scripts capture it in a CUDA graph.
+    """
+    push_frames(prev_obs, buf.staged, obs_out, buf.x, shift)
+    c1 = conv_relu(buf.x, w.conv_weight[0], w.conv_bias[0], 4)
+    c2 = conv_relu(c1, w.conv_weight[1], w.conv_bias[1], 2)
+    c3 = conv_relu(c2, w.conv_weight[2], w.conv_bias[2], 1)
+    features = c3.permute(0, 2, 3, 1).reshape(c3.shape[0], 3136)  # channels_last: (h, w, c), a view
+    linear_gelu(features.contiguous(), w.fc_weight, w.fc_bias, out=buf.hidden)
+    policy_value_heads(
+        buf.hidden, w.actor_weight, w.actor_bias, w.critic_weight, w.critic_bias,
+        logits_out=buf.logits, value_out=value_out,
+    )  # fmt: skip
+    sample_logits(buf.logits, uniform, action_out, logprob_out, buf.entropy)
+
+
+# ---------------------------------------------------------------------------------------
 # Ahead-of-time compilation for real GPUs (no GPU needed)
 # ---------------------------------------------------------------------------------------
 
 AOT_CAPABILITIES = (75, 80, 89, 90)
+# largest dynamic shared memory per block, KB (sm_75: 64, sm_80: 163, sm_86/89: 99, sm_90: 227)
+SHARED_LIMIT_KB = {75: 64, 80: 163, 89: 99, 90: 227}
 AOT_BATCHES = (1, 2, 8, 16, 64, 256, 1024, 4096)
 AOT_ACTIONS = (1, 4, 6, 9, 18)
 HIDDEN, CONV_OUT = 512, 3136
+TRITON_TYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
-def aot_configs(batches=AOT_BATCHES, actions=AOT_ACTIONS, K=CONV_OUT, H=HIDDEN):
-    """Every distinct (kernel name, kernel, signature, constexprs, num_warps) the wrappers
-    launch at these shapes, in a fixed order."""
-    p = "*fp32"
+def aot_dtypes(cc):
+    """The dtypes the rollout uses on a GPU of capability cc: bf16 needs sm_80 (on sm_75 the
+    scripts refuse --precision bf16, and auto picks fp32)."""
+    return (torch.float32,) if cc < 80 else (torch.float32, torch.bfloat16)
+
+
+def aot_configs(cc, batches=AOT_BATCHES, actions=AOT_ACTIONS, K=CONV_OUT, H=HIDDEN):
+    """Every distinct (kernel name, kernel, signature, constexprs, num_warps, num_stages) the
+    wrappers launch at these shapes on a GPU of capability cc, in a fixed order."""
     configs = {}
-    for B in batches:
-        bm, bn, bk, w = _linear_gelu_config(B, H, K)
-        sig = {"x_ptr": p, "w_ptr": p, "b_ptr": p, "out_ptr": p, "B": "i32", "N": "i32"}
-        sig["K"] = "i32"
-        consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
-        configs[("linear_gelu_kernel", bm, bn, bk, w)] = (
-            linear_gelu_kernel,
-            sig,
-            consts,
-            w,
-        )
-        for A in actions:
-            bb, ba, bh, w = _heads_config(B, A, H)
-            names = [
-                "h_ptr",
-                "wa_ptr",
-                "ba_ptr",
-                "wc_ptr",
-                "bc_ptr",
-                "logits_ptr",
-                "value_ptr",
-            ]
-            sig = {name: p for name in names} | {"B": "i32", "H": "i32", "A": "i32"}
-            consts = {"BLOCK_B": bb, "BLOCK_A": ba, "BLOCK_H": bh}
-            key = ("policy_value_heads_kernel", bb, ba, bh, w)
-            configs[key] = (policy_value_heads_kernel, sig, consts, w)
-            bb, ba, w = _sample_config(B, A)
-            sig = {"logits_ptr": p, "uniform_ptr": p, "action_ptr": "*i64"}
-            sig |= {"logprob_ptr": p, "entropy_ptr": p, "B": "i32", "A": "i32"}
-            consts = {"BLOCK_B": bb, "BLOCK_A": ba}
-            configs[("sample_logits_kernel", bb, ba, w)] = (
-                sample_logits_kernel,
-                sig,
-                consts,
-                w,
-            )
+    for dtype in aot_dtypes(cc):
+        p = "*" + TRITON_TYPE[dtype]
+        for B in batches:
+            bm, bn, bk, w, stages, precision = _linear_gelu_config(B, dtype, cc)
+            sig = {"x_ptr": p, "w_ptr": p, "b_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32"}
+            consts = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "DOT_PRECISION": precision, "WIDEN": False}
+            key = ("linear_gelu_kernel", p, bm, bn, bk, w, stages, precision)
+            configs[key] = (linear_gelu_kernel, sig, consts, w, stages)
+            for A in actions:
+                bb, ba, bh, w = _heads_config(B, A, H)
+                names = ["wa_ptr", "ba_ptr", "wc_ptr", "bc_ptr", "logits_ptr", "value_ptr"]
+                sig = {"h_ptr": p} | {name: "*fp32" for name in names} | {"B": "i32", "H": "i32", "A": "i32"}
+                consts = {"BLOCK_B": bb, "BLOCK_A": ba, "BLOCK_H": bh}
+                configs[("policy_value_heads_kernel", p, bb, ba, bh, w)] = (
+                    policy_value_heads_kernel,
+                    sig,
+                    consts,
+                    w,
+                    3,
+                )
+            # the heads write float32 logits: the sampler reads float32 in the rollout
+            for A in actions:
+                bb, ba, w = _sample_config(B, A)
+                sig = {"logits_ptr": "*fp32", "uniform_ptr": "*fp32", "action_ptr": "*i64"}
+                sig |= {"logprob_ptr": "*fp32", "entropy_ptr": "*fp32", "B": "i32", "A": "i32"}
+                consts = {"BLOCK_B": bb, "BLOCK_A": ba}
+                configs[("sample_logits_kernel", bb, ba, w)] = (sample_logits_kernel, sig, consts, w, 3)
+        block, w = _push_config()
+        for shift in (True, False):
+            sig = {"prev_ptr": "*u8", "staged_ptr": "*u8", "obs_ptr": "*u8", "x_ptr": p}
+            consts = {"STAGED_ROW": STAGED_ROW, "SHIFT": shift, "BLOCK": block}
+            configs[("push_frames_kernel", p, shift)] = (push_frames_kernel, sig, consts, w, 3)
     out = []
-    for (name, *_), (kernel, sig, consts, w) in configs.items():
-        out.append((name, kernel, sig | {k: "constexpr" for k in consts}, consts, w))
+    for (name, *_), (kernel, sig, consts, w, stages) in configs.items():
+        out.append((name, kernel, sig | {k: "constexpr" for k in consts}, consts, w, stages))
     return out
 
 
@@ -568,14 +782,17 @@ def _aot_compile_target(cc):
 
     target = GPUTarget("cuda", cc, 32)
     rows = []
-    for name, kernel, sig, consts, num_warps in aot_configs():
+    for name, kernel, sig, consts, num_warps, num_stages in aot_configs(cc):
         # Torch allocations are 16-byte aligned; tell the compiler, as a launch would.
         attrs = {(kernel.arg_names.index(k),): [["tt.divisibility", 16]] for k, t in sig.items() if t.startswith("*")}
         row = {
             "target": f"sm_{cc}",
             "kernel": name,
+            "dtype": next(t for t in sig.values() if t.startswith("*"))[1:],
             "config": " ".join(f"{k}={v}" for k, v in consts.items()),
             "num_warps": num_warps,
+            "num_stages": num_stages,
+            "shared_limit": SHARED_LIMIT_KB[cc] * 1024,
             "regs": None,
             "spill_bytes": None,
             "shared_bytes": None,
@@ -583,7 +800,7 @@ def _aot_compile_target(cc):
         }
         try:
             src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-            options = {"num_warps": num_warps, "enable_fp_fusion": True}
+            options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True}
             compiled = triton.compile(src, target=target, options=options)
             row["regs"], row["spill_bytes"] = _resource_usage(compiled.asm["cubin"])
             row["shared_bytes"] = compiled.metadata.shared
@@ -636,13 +853,12 @@ def aot_compile_table(capabilities=AOT_CAPABILITIES, jobs=2):
 
 
 def format_aot_table(rows):
-    lines = [f"{'target':7} {'kernel':26} {'config':38} warps regs spill shared"]
+    lines = [f"{'target':7} {'kernel':26} {'dtype':5} {'config':62} warps stages regs spill shared"]
     for r in rows:
+        head = f"{r['target']:7} {r['kernel']:26} {r['dtype']:5} {r['config']:62}"
         if r["error"]:
-            lines.append(f"{r['target']:7} {r['kernel']:26} {r['config']:38} FAILED {r['error']}")
+            lines.append(f"{head} FAILED {r['error']}")
         else:
-            lines.append(
-                f"{r['target']:7} {r['kernel']:26} {r['config']:38} {r['num_warps']:5} "
-                f"{r['regs']:4} {r['spill_bytes']:5} {r['shared_bytes']:6}"
-            )
+            numbers = f"{r['num_warps']:5} {r['num_stages']:6} {r['regs']:4} {r['spill_bytes']:5} {r['shared_bytes']:6}"
+            lines.append(f"{head} {numbers}")
     return "\n".join(lines)

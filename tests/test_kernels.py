@@ -101,6 +101,22 @@ def test_linear_gelu_matches_float64(B, K, N):
         assert torch.equal(reference, torch.nn.GELU()(layer(x)))
 
 
+@pytest.mark.parametrize("B", [1, 20, 257])
+def test_linear_gelu_bf16_operands_add_up_in_float32(B):
+    """bf16 x and weight: the products are exact in float32, so the result equals float64 on
+    the same (rounded) operands to float32 summation error, and the reference agrees."""
+    K, N = 3136, 512
+    x = randn(B, K, seed=B).bfloat16()
+    weight = randn(N, K, seed=B + 1, scale=1 / math.sqrt(K)).bfloat16()
+    bias = randn(N, seed=B + 2, scale=0.5)
+    out = poisoned(B, N)
+    result, n = launches(lambda: kernels.linear_gelu(x, weight, bias, out=out))
+    assert result is out and n == 1 and out.dtype == torch.float32
+    expected = torch.nn.functional.gelu(x.double() @ weight.double().T + bias.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(kernels.linear_gelu_reference(x, weight, bias), out, rtol=1e-5, atol=2e-5)
+
+
 def test_linear_gelu_allocates_output():
     x, weight, bias = randn(5, 40, seed=1), randn(24, 40, seed=2), randn(24, seed=3)
     out, n = launches(lambda: kernels.linear_gelu(x, weight, bias))
@@ -139,6 +155,16 @@ def test_policy_value_heads_match_float64(B, H, A):
     ref_logits, ref_value = kernels.policy_value_heads_reference(h, wa, ba, wc, bc)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(value, ref_value, rtol=1e-5, atol=1e-5)
+
+
+def test_policy_value_heads_read_bf16_hidden_in_float32():
+    h, wa, ba, wc, bc = heads_inputs(20, 512, 6, seed=3)
+    h = h.bfloat16()
+    logits, value = kernels.policy_value_heads(h, wa, ba, wc, bc)
+    assert logits.dtype == value.dtype == torch.float32
+    h64 = h.double()
+    torch.testing.assert_close(logits.double(), h64 @ wa.double().T + ba.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(value.double(), (h64 @ wc.double().T + bc.double())[:, 0], rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------
@@ -192,6 +218,17 @@ def test_sample_logits_matches_reference_and_float64(B, A, scale):
     torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
 
 
+def test_sample_logits_reads_bf16_logits():
+    logits, uniform = sampling_inputs(33, 6, 1.0, seed=5)
+    logits = logits.bfloat16()
+    action, logprob, entropy = kernels.sample_logits(logits, uniform)
+    ref_action, ref_logprob, ref_entropy = kernels.sample_logits_reference(logits.float(), uniform)
+    ok = ~near_boundary(logits.float(), uniform)
+    assert torch.equal(action[ok], ref_action[ok])
+    torch.testing.assert_close(logprob[ok], ref_logprob[ok], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("sampler", ["triton", "reference"])
 def test_sample_logits_edge_uniforms(sampler):
     fn = kernels.sample_logits if sampler == "triton" else kernels.sample_logits_reference
@@ -226,6 +263,57 @@ def test_sample_logits_chi_square(sampler):
     expected = torch.softmax(row.double(), dim=0) * draws
     statistic = ((observed - expected) ** 2 / expected).sum().item()
     assert statistic < CHI2_CRITICAL_P001[5], (statistic, observed, expected)
+
+
+# ---------------------------------------------------------------------------------------
+# push_frames
+# ---------------------------------------------------------------------------------------
+
+
+def frames_inputs(B, seed):
+    g = torch.Generator().manual_seed(seed)
+    prev = torch.randint(0, 256, (B, 4, 84, 84), generator=g, dtype=torch.uint8)
+    frames = torch.randint(0, 256, (B, 84, 84), generator=g, dtype=torch.uint8)
+    staged = torch.full((B, kernels.STAGED_ROW), 77, dtype=torch.uint8)  # padding poisoned
+    ended = torch.randperm(B, generator=g)[: B // 3].numpy()
+    kernels.stage_frames(staged.numpy(), frames.numpy(), ended)
+    return prev, frames, staged, ended
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shift", [True, False])
+@pytest.mark.parametrize("B", [1, 5])
+def test_push_frames_shifts_masks_and_scales(B, shift, dtype):
+    """The stacks move one frame on (zeros where a game ended), or are copied; x = stacks / 255
+    in channels_last, as the learner's x * (1 / 255) rounds it (the interpreter rounds bf16 by
+    truncation: there the kernel may be 1 bf16 ulp below the reference)."""
+    prev, frames, staged, ended = frames_inputs(B, seed=B + 10 * shift)
+    obs = torch.full((B, 4, 84, 84), 7, dtype=torch.uint8)
+    x = torch.full((B, 4, 84, 84), NAN, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    _, n = launches(lambda: kernels.push_frames(prev, staged, obs, x, shift))
+    assert n == 1
+    if shift:
+        keep = torch.ones(B, dtype=torch.uint8)
+        keep[ended] = 0
+        expected = torch.cat([prev[:, 1:] * keep.view(-1, 1, 1, 1), frames[:, None]], dim=1)
+    else:
+        expected = prev
+    assert torch.equal(obs, expected)
+    learner = (expected * (1.0 / 255.0)).to(dtype)
+    if dtype == torch.float32:
+        assert torch.equal(x, learner)
+    else:
+        ulp = (learner.float() - x.float()).abs().max()
+        assert ulp <= 2.0**-8, ulp
+    obs_ref, x_ref = torch.empty_like(obs), torch.empty_like(x)
+    kernels.push_frames_reference(prev, staged, obs_ref, x_ref, shift)
+    assert torch.equal(obs_ref, expected) and torch.equal(x_ref, learner)
+
+
+def test_push_frames_refuses_an_nchw_input_buffer():
+    prev, _, staged, _ = frames_inputs(2, seed=1)
+    with pytest.raises(ValueError, match="x_out must be channels_last"):
+        kernels.push_frames(prev, staged, torch.empty_like(prev), torch.empty(2, 4, 84, 84))
 
 
 # ---------------------------------------------------------------------------------------
@@ -333,49 +421,60 @@ def test_non_tensor_raises_type_error():
 
 
 class _Recorder:
-    """Stands in for a kernel: records the block sizes and warps of each launch."""
+    """Stands in for a kernel: records the constexprs, warps and stages of each launch (WIDEN,
+    a workaround for the CPU interpreter only, is left out: GPUs launch WIDEN=False)."""
 
     def __init__(self, name, const_names, launched):
         self.name, self.const_names, self.launched = name, const_names, launched
 
     def __getitem__(self, grid):
-        def launch(*args, num_warps, **_):
-            consts = tuple(zip(self.const_names, args[-len(self.const_names) :]))
-            self.launched.add((self.name, consts, num_warps))
+        def launch(*args, num_warps, num_stages=3, **_):
+            consts = tuple((k, v) for k, v in zip(self.const_names, args[-len(self.const_names) :]) if k != "WIDEN")
+            self.launched.add((self.name, consts, num_warps, num_stages))
 
         return launch
 
 
-def test_aot_configs_cover_every_launch(monkeypatch):
+@pytest.mark.parametrize("cc", kernels.AOT_CAPABILITIES)
+def test_aot_configs_cover_every_launch(monkeypatch, cc):
     """The configurations compiled below are exactly those the wrappers launch at rollout
-    shapes (the kernels are replaced by recorders, so large batches cost nothing)."""
+    shapes on a GPU of capability cc, in each dtype it runs (the kernels are replaced by
+    recorders and the device's capability is simulated, so large batches cost nothing)."""
     launched, compiled = set(), set()
-    for name, _, _, consts, warps in kernels.aot_configs():
-        compiled.add((name, tuple(consts.items()), warps))
-        monkeypatch.setattr(kernels, name, _Recorder(name, list(consts), launched))
+    monkeypatch.setattr(kernels, "capability", lambda device: cc)
+    for name, kernel, _, consts, warps, stages in kernels.aot_configs(cc):
+        compiled.add((name, tuple((k, v) for k, v in consts.items() if k != "WIDEN"), warps, stages))
+        monkeypatch.setattr(kernels, name, _Recorder(name, list(kernel.arg_names[-len(consts) :]), launched))
     H, K = kernels.HIDDEN, kernels.CONV_OUT
-    for B in kernels.AOT_BATCHES:
-        kernels.linear_gelu(torch.empty(B, K), torch.empty(H, K), torch.empty(H))
-        h = torch.empty(B, H)
-        for A in kernels.AOT_ACTIONS:
-            wa, ba, wc, bc = (
-                torch.empty(A, H),
-                torch.empty(A),
-                torch.empty(1, H),
-                torch.empty(1),
-            )
-            kernels.policy_value_heads(h, wa, ba, wc, bc)
-            kernels.sample_logits(torch.empty(B, A), torch.empty(B))
+    for dtype in kernels.aot_dtypes(cc):
+        for B in kernels.AOT_BATCHES:
+            kernels.linear_gelu(torch.empty(B, K, dtype=dtype), torch.empty(H, K, dtype=dtype), torch.empty(H))
+            h = torch.empty(B, H, dtype=dtype)
+            for A in kernels.AOT_ACTIONS:
+                wa, ba, wc, bc = torch.empty(A, H), torch.empty(A), torch.empty(1, H), torch.empty(1)
+                kernels.policy_value_heads(h, wa, ba, wc, bc)
+                kernels.sample_logits(torch.empty(B, A), torch.empty(B))
+        prev = torch.empty(2, 4, 84, 84, dtype=torch.uint8)
+        staged = torch.empty(2, kernels.STAGED_ROW, dtype=torch.uint8)
+        x = torch.empty(2, 4, 84, 84, dtype=dtype).contiguous(memory_format=torch.channels_last)
+        for shift in (True, False):
+            kernels.push_frames(prev, staged, torch.empty_like(prev), x, shift)
     assert launched == compiled
-    assert len(compiled) <= 16  # keep the number of distinct configurations small
+    assert len(compiled) <= 44  # keep the number of distinct configurations small
 
 
 def test_aot_compile_all_targets():
+    """Every configuration compiles to cubin for sm_75, 80, 89 and 90, without register spills
+    and within each target's shared memory per block."""
     rows = kernels.aot_compile_table()
     print("\n" + kernels.format_aot_table(rows))
-    n_configs = len(kernels.aot_configs())
-    assert len(rows) == n_configs * len(kernels.AOT_CAPABILITIES)
+    n_configs = sum(len(kernels.aot_configs(cc)) for cc in kernels.AOT_CAPABILITIES)
+    assert len(rows) == n_configs
     assert {r["target"] for r in rows} == {"sm_75", "sm_80", "sm_89", "sm_90"}
     failed = [r for r in rows if r["error"]]
     assert not failed, kernels.format_aot_table(failed)
     assert all(r["regs"] > 0 for r in rows)
+    too_big = [r for r in rows if r["shared_bytes"] > r["shared_limit"] or r["spill_bytes"] > 0]
+    assert not too_big, kernels.format_aot_table(too_big)
+    # bf16 only where the GPU has it (sm_80 and newer): sm_75 gets fp32 ("ieee" dots)
+    assert {r["dtype"] for r in rows if r["target"] == "sm_75" and r["kernel"] == "linear_gelu_kernel"} == {"fp32"}
