@@ -4,32 +4,29 @@ A2C (synchronous advantage actor-critic) with rl-zoo's Atari settings: 16 envs, 
 update, n-step returns (GAE with lambda 1), one gradient step per rollout, RMSprop with the
 TensorFlow-style epsilon at a constant learning rate, no advantage normalization.
 
-The rollout is ppo_atari_native.py's, unchanged:
-- Envs are stepped by ale-py's C++ threads (utils.ThreadedAtariEnvs), which release the GIL.
-- The envs are split into --num-gpu-batches fixed batches, each with its own CUDA stream and
-  buffers: while one batch's envs step, Python runs inference for the next batch.
-- Only the newest 84x84 frame crosses to the device; the 4-frame stack lives there.
-- Inference has no autograd and allocates nothing: fused kernels (kernels.py) sample
-  straight into the rollout storage.
-- --precision bf16 runs inference and training in bfloat16 (autocast, channels_last).
+The rollout is ppo_atari_native.py's, unchanged (see its docstring for why it is built so):
+- Envs are stepped by ale-py's C++ threads (utils.ThreadedAtariEnvs), which release the GIL,
+  split into --num-gpu-batches fixed batches, each with its own CUDA stream and buffers.
+- One batch-step on the device is kernels.policy_step (frame stacks kept in the storage, the
+  network, sampling from uniforms drawn once per iteration), replayed from a CUDA graph on
+  CUDA; one driver thread serves the batches on CUDA, a worker thread per batch on CPU.
+- --precision auto: bf16 where the hardware has it, fp32 elsewhere (as in the PPO script).
 What is A2C's own: the update (one pass over the 80 samples, log-probs recomputed with
 autograd), the RMSprop-TF optimizer below, and logging every --log-interval iterations
 (an iteration is only 80 agent steps).
 Run: python a2c_atari.py --env-id Breakout-v5
 """
 
-import os
 import random
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.nn as nn
-import tyro
+import torch.nn.functional as F
 from torch.distributions.categorical import Categorical
 from torch.utils.tensorboard import SummaryWriter
 
@@ -40,74 +37,77 @@ import utils
 @dataclass
 class Args:
     exp_name: str = Path(__file__).stem
-    """the name of this experiment (part of the run directory's name)"""
+    """the name of this experiment (part of the run directory's name: letters, digits, _ . + = -)"""
     seed: int = 1
-    """seed of the experiment (python, numpy, torch and the envs)"""
+    """seed of the experiment (python, numpy, torch and the envs), in [0, 2**32 - 1]"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     device: str = "auto"
     """auto (CUDA if available, else CPU), cpu, cuda or cuda:N"""
     runs_dir: str = "runs"
-    """where run directories are created"""
+    """where run directories are created (made if missing)"""
     save_interval: int = 2500
-    """write a checkpoint every this many iterations (and at the end)"""
+    """write a checkpoint every this many iterations (and at the end); at least 1"""
     log_interval: int = 100
-    """write losses, SPS and the progress line every this many iterations (and at the end)"""
+    """write losses, SPS and the progress line every this many iterations (and at the end), at least 1"""
     resume: str | None = None
-    """path of a checkpoint.pt to continue from, in its own run directory"""
+    """a checkpoint.pt, or its run directory, to continue from (in that run directory)"""
     eval_checkpoint: str | None = None
     """evaluate this checkpoint or model.pt instead of training"""
     eval_episodes: int = 10
-    """number of full games played by --eval-checkpoint"""
+    """number of full games played by --eval-checkpoint; at least 1"""
     capture_video: bool = False
     """record the evaluation games to videos/ in the run directory (needs moviepy)"""
     num_gpu_batches: int = 2
-    """split the envs into this many independent batches, each on its own CUDA stream"""
-    num_env_threads: int = os.cpu_count() or 1
-    """C++ threads stepping each batch's envs"""
-    precision: str = "fp32"
-    """fp32 or bf16 (autocast and channels_last, for inference and training)"""
+    """split the envs into this many independent batches, each on its own CUDA stream (divides num_envs)"""
+    num_env_threads: int | None = None
+    """C++ threads stepping the envs, in all (default: CUDA: the cores but the driver's; CPU: min(cores, batch) each)"""
+    precision: str = "auto"
+    """auto, fp32 or bf16 (auto: bf16 where the GPU or CPU has it natively, fp32 elsewhere)"""
+    cuda_graphs: bool = True
+    """on CUDA, replay each batch-step's device work as a captured CUDA graph (off: launch its kernels one by one)"""
+    driver: str = "auto"
+    """who serves the env batches: single (one thread in turn), threads (one each), auto (CUDA: single; else threads)"""
     profile: bool = False
     """trace iterations 2-4 with torch.profiler (trace.json, for Perfetto) and print a table of time per phase"""
     single_threaded: bool = False
     """step each batch's envs to completion before the next (one env thread, no overlap), for debugging"""
-
     # Algorithm specific arguments
-    env_id: str = "Breakout-v5"
-    """the id of the game: Breakout-v5 or ALE/Breakout-v5 (any ale-py game)"""
+    env_id: str | None = None
+    """the game: Breakout-v5 (default), ALE/Breakout-v5 or breakout-v5; evaluation: the checkpoint's game"""
     total_timesteps: int = 10_000_000
-    """total agent steps of the experiment (each is 4 frames)"""
+    """total agent steps (4 frames each), at least one batch; runs a whole number of iterations"""
     learning_rate: float = 7e-4
-    """the learning rate of the optimizer"""
+    """the learning rate of the optimizer (finite, > 0)"""
     num_envs: int = 16
-    """the number of parallel game environments"""
+    """the number of parallel game environments; at least 1"""
     num_steps: int = 5
-    """the number of steps to run in each environment per policy rollout"""
+    """the number of steps to run in each environment per policy rollout; at least 1"""
     anneal_lr: bool = False
     """toggle learning rate annealing for policy and value networks"""
     gamma: float = 0.99
-    """the discount factor gamma"""
+    """the discount factor gamma, in [0, 1]"""
     gae_lambda: float = 1.0
-    """the lambda for the general advantage estimation (1.0: n-step returns)"""
+    """the lambda for the general advantage estimation, in [0, 1]"""
     norm_adv: bool = False
     """toggles advantages normalization"""
     ent_coef: float = 0.01
-    """coefficient of the entropy"""
+    """coefficient of the entropy (finite, >= 0)"""
     vf_coef: float = 0.25
-    """coefficient of the value function"""
+    """coefficient of the value function (finite, >= 0)"""
     max_grad_norm: float = 0.5
-    """the maximum norm for the gradient clipping"""
+    """the maximum norm for the gradient clipping (finite, > 0)"""
     rms_alpha: float = 0.99
-    """RMSprop's smoothing constant (decay of the squared-gradient average)"""
+    """RMSprop's smoothing constant (decay of the squared-gradient average), in [0, 1)"""
     rms_eps: float = 1e-5
-    """RMSprop's epsilon, added inside the square root (TensorFlow style)"""
+    """RMSprop's epsilon, added inside the square root (TensorFlow style); finite, >= 0"""
     life_loss_terminal: bool = True
     """treat a lost life as terminal for the learner (returns are still logged per full game)"""
 
-    # to be filled in runtime
-    batch_size: int = 0
+    # to be filled in runtime (not flags)
+    batch_size: int = field(default=0, init=False)
     """the batch size (computed in runtime)"""
-    num_iterations: int = 0
+    num_iterations: int = field(default=0, init=False)
     """the number of iterations (computed in runtime)"""
 
 
@@ -130,15 +130,18 @@ class RMSpropTF(torch.optim.Optimizer):
     def step(self):
         for group in self.param_groups:
             lr, alpha, eps = group["lr"], group["alpha"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["square_avg"] = torch.ones_like(p, memory_format=torch.preserve_format)
-                square_avg = state["square_avg"]
-                square_avg.mul_(alpha).addcmul_(p.grad, p.grad, value=1 - alpha)
-                p.addcdiv_(p.grad, square_avg.add(eps).sqrt_(), value=-lr)
+            params = [p for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p]["square_avg"] = torch.ones_like(p, memory_format=torch.preserve_format)
+            square_avgs = [self.state[p]["square_avg"] for p in params]
+            # one launch per op for all parameters (foreach), not one per parameter
+            torch._foreach_mul_(square_avgs, alpha)
+            torch._foreach_addcmul_(square_avgs, grads, grads, value=1 - alpha)
+            denominators = torch._foreach_add(square_avgs, eps)
+            torch._foreach_sqrt_(denominators)
+            torch._foreach_addcdiv_(params, grads, denominators, value=-lr)
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -167,86 +170,20 @@ class Agent(nn.Module):
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
     def get_action_and_value(self, x, action=None):
-        x = x.contiguous(memory_format=torch.channels_last)
-        hidden = self.network(x / 255.0)
-        logits = self.actor(hidden)
-        probs = Categorical(logits=logits, validate_args=False)  # NaNs reach the non-finite checks
-        if action is None:
-            action = probs.sample()
-        return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
-
-
-def inference_weights(agent, dtype):
-    """Copies of the weights in the layout the rollout wants; refreshed in place each iteration.
-
-    conv1 gets the 1/255 input scale folded in, so no float observation is ever built. The
-    convs run channels_last, so their output flattens in (h, w, c) order: Linear(3136, 512)'s
-    columns are permuted to match, and the last conv's output feeds it without a copy.
-    """
-    conv1, conv2, conv3, fc = agent.network[0], agent.network[2], agent.network[4], agent.network[7]
-    cl = torch.channels_last
-    w = SimpleNamespace(
-        conv_weight=[torch.empty_like(c.weight, dtype=dtype, memory_format=cl) for c in (conv1, conv2, conv3)],
-        conv_bias=[torch.empty_like(c.bias, dtype=dtype) for c in (conv1, conv2, conv3)],
-        fc_weight=torch.empty_like(fc.weight),
-        agent=agent,
-    )
-    refresh_inference_weights(w)
-    return w
-
-
-@torch.no_grad()
-def refresh_inference_weights(w):
-    network = w.agent.network
-    for i, conv in enumerate((network[0], network[2], network[4])):
-        w.conv_weight[i].copy_(conv.weight)
-        w.conv_bias[i].copy_(conv.bias)
-    w.conv_weight[0].mul_(1.0 / 255.0)
-    fc = network[7]
-    w.fc_weight.copy_(fc.weight.view(512, 64, 7, 7).permute(0, 2, 3, 1).reshape(512, 3136))
-
-
-def inference_buffers(batch, num_actions, dtype, device):
-    """Everything one env batch's inference writes into, allocated once."""
-    cl = torch.channels_last
-    b = SimpleNamespace(
-        x=torch.empty((batch, 4, 84, 84), dtype=dtype, device=device, memory_format=cl),
-        c1=torch.empty((batch, 32, 20, 20), dtype=dtype, device=device, memory_format=cl),
-        c2=torch.empty((batch, 64, 9, 9), dtype=dtype, device=device, memory_format=cl),
-        c3=torch.empty((batch, 64, 7, 7), dtype=dtype, device=device, memory_format=cl),
-        hidden=torch.empty((batch, 512), device=device),
-        logits=torch.empty((batch, num_actions), device=device),
-        entropy=torch.empty(batch, device=device),
-    )
-    b.c3_flat = b.c3.permute(0, 2, 3, 1).reshape(batch, 3136)  # a view: channels_last is (h, w, c)
-    b.features = b.c3_flat if dtype == torch.float32 else torch.empty((batch, 3136), device=device)
-    return b
-
-
-@torch.no_grad()
-def policy_forward(w, buf, obs, value_out):
-    """Logits (into buf.logits) and values for one env batch: 10 launches in fp32, 11 in bf16.
-
-    obs uint8 [batch, 4, 84, 84]; value_out is a view of the rollout storage. Nothing is
-    allocated here except inside the convolution primitives.
-    """
-    conv = torch.ops.aten.convolution.out
-    buf.x.copy_(obs)  # uint8 -> float, and NCHW -> channels_last, in one copy
-    conv(buf.x, w.conv_weight[0], w.conv_bias[0], [4, 4], [0, 0], [1, 1], False, [0, 0], 1, out=buf.c1)
-    buf.c1.relu_()
-    conv(buf.c1, w.conv_weight[1], w.conv_bias[1], [2, 2], [0, 0], [1, 1], False, [0, 0], 1, out=buf.c2)
-    buf.c2.relu_()
-    conv(buf.c2, w.conv_weight[2], w.conv_bias[2], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, out=buf.c3)
-    buf.c3.relu_()
-    if buf.features is not buf.c3_flat:
-        buf.features.copy_(buf.c3_flat)  # bf16 -> fp32 for the fp32 head kernels
-    agent = w.agent
-    fc = agent.network[7]
-    kernels.linear_gelu(buf.features, w.fc_weight, fc.bias, out=buf.hidden)
-    kernels.policy_value_heads(
-        buf.hidden, agent.actor.weight, agent.actor.bias, agent.critic.weight, agent.critic.bias,
-        logits_out=buf.logits, value_out=value_out,
-    )  # fmt: skip
+        # x * (1 / 255), as the rollout's kernels.push_frames scales the frames
+        x = (x * (1.0 / 255.0)).contiguous(memory_format=torch.channels_last)
+        features = self.network[:7](x)  # the convolutions: bfloat16 under bf16 autocast
+        # the rest in float32, as the rollout computes it: Linear(3136, 512) on the features as
+        # they are (bf16 operands under autocast, the weight rounded like autocast rounds it)
+        # adding up in float32, then GELU, heads and the distribution in float32
+        with torch.autocast(x.device.type, enabled=False):
+            fc = self.network[7]
+            hidden = self.network[8](F.linear(features.float(), fc.weight.to(features.dtype).float(), fc.bias))
+            logits = self.actor(hidden)
+            probs = Categorical(logits=logits, validate_args=False)  # NaNs reach the non-finite checks
+            if action is None:
+                action = probs.sample()
+            return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
 
 
 def gae(rewards, values, dones, gamma, gae_lambda):
@@ -270,26 +207,15 @@ def gae(rewards, values, dones, gamma, gae_lambda):
 
 
 def parse_args() -> Args:
-    args = tyro.cli(Args)
-    utils.rom_id(args.env_id)  # unknown games fail here, with close matches
+    args = utils.cli(Args)  # tyro.cli, with its errors as one line
+    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir
     utils.check_capture_video(args.capture_video, args.eval_checkpoint)
-    utils.check_positive(
-        num_envs=args.num_envs, num_gpu_batches=args.num_gpu_batches,
-        num_env_threads=args.num_env_threads, eval_episodes=args.eval_episodes,
-    )  # fmt: skip
     if args.num_envs % args.num_gpu_batches:
         raise utils.UsageError(
             f"--num-envs {args.num_envs} is not divisible by --num-gpu-batches {args.num_gpu_batches}"
         )
-    if args.eval_checkpoint is None:
-        utils.check_positive(
-            total_timesteps=args.total_timesteps, num_steps=args.num_steps,
-            save_interval=args.save_interval, log_interval=args.log_interval,
-        )  # fmt: skip
-        if not 0.0 <= args.rms_alpha < 1.0:
-            raise utils.UsageError(f"--rms-alpha must be in [0, 1), got {args.rms_alpha}")
-        if args.rms_eps < 0:
-            raise utils.UsageError(f"--rms-eps must be >= 0, got {args.rms_eps}")
+    if args.driver not in ("auto", "single", "threads"):
+        raise utils.UsageError(f"--driver {args.driver!r}: expected auto, single or threads")
     args.batch_size = int(args.num_envs * args.num_steps)
     if args.eval_checkpoint is None and args.total_timesteps < args.batch_size:
         raise utils.UsageError(f"--total-timesteps {args.total_timesteps} is below one batch ({args.batch_size} steps)")
@@ -298,19 +224,26 @@ def parse_args() -> Args:
 
 
 if __name__ == "__main__":
+    script = Path(__file__).name
     try:
         args = parse_args()
         device = utils.resolve_device(args.device)
-        utils.check_precision(args.precision, device)
+        precision = utils.resolve_precision(args.precision, device)
         checkpoint = None
         if args.resume is not None:
-            checkpoint = utils.load_checkpoint(args.resume, Path(__file__).name, args.env_id)
+            checkpoint = utils.load_checkpoint(args.resume, script, args.env_id, Agent, resume=True)
             utils.check_resume_args(checkpoint, args)
         if args.eval_checkpoint is not None:
-            evaluated = utils.load_checkpoint(args.eval_checkpoint, Path(__file__).name, args.env_id)
+            evaluated = utils.load_checkpoint(args.eval_checkpoint, script, args.env_id, Agent)
+            args.env_id = utils.canonical_env_id(evaluated["env_id"])
     except utils.UsageError as e:
         utils.fail(str(e))
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this thread's current device; worker threads set theirs
+    # fp32 means float32 everywhere: no TF32 in cuDNN or matmuls (as in ppo_atari_native.py)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
     # seeding
     random.seed(args.seed)
@@ -319,10 +252,11 @@ if __name__ == "__main__":
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     if args.eval_checkpoint is not None:
+        print(utils.describe_run(args, device, "evaluation envs"), flush=True)
         agent = Agent(evaluated["num_actions"]).to(device)
         agent.load_state_dict(evaluated["model"])
         video_dir = Path(args.eval_checkpoint).parent / "videos"
-        act = lambda obs: agent.get_action_and_value(obs.float())[0]  # noqa: E731
+        act = lambda obs: agent.get_action_and_value(obs)[0]  # noqa: E731
         try:
             returns = utils.evaluate(
                 args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir
@@ -332,30 +266,42 @@ if __name__ == "__main__":
         print(utils.report_evaluation(args.env_id, returns))
         sys.exit(0)
 
+    # how the envs are stepped: C++ env threads, and who serves the env batches
+    num_batches = args.num_gpu_batches
+    batch = args.num_envs // num_batches
+    env_threads, first_core = utils.env_threads(
+        1 if args.single_threaded else args.num_env_threads, device, num_batches, batch
+    )
+    driver = "sequential" if args.single_threaded or num_batches == 1 else args.driver
+    if driver == "auto":
+        driver = "single" if device.type == "cuda" else "threads"
+    graphs = args.cuda_graphs and device.type == "cuda"
+    envs_text = f"{args.num_envs} envs x {num_batches} batches, {env_threads} env threads"
+    envs_text += " pinned" if first_core is not None else ""
+    envs_text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}"
+    print(utils.describe_run(args, device, envs_text, precision), flush=True)
+
     # log setup: a resumed run continues in its own directory and step count
     if checkpoint is not None:
-        run_dir = Path(args.resume).parent
+        run_dir = utils.checkpoint_path(args.resume).parent
         start_iteration, global_step = checkpoint["iteration"], checkpoint["global_step"]
     else:
-        run_dir = Path(args.runs_dir) / utils.run_name(args)
+        run_dir = utils.make_run_dir(args)  # a new directory, never one another run writes to
         start_iteration, global_step = 0, 0
-    run_dir.mkdir(parents=True, exist_ok=True)
     # purge_step hides events a crashed run wrote after its last checkpoint: TensorBoard drops
     # steps >= purge_step, and the checkpointed iteration logged at global_step itself
     writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
     if checkpoint is None:
         writer.add_text("hyperparameters", utils.hyperparameters_text(args))
-    stop = utils.StopSignal()
+    stop = utils.StopSignal(run_dir / "checkpoint.pt")
 
     # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
     env_seed = args.seed + 1_000_003 * start_iteration
     envs = utils.ThreadedAtariEnvs(
-        args.env_id, args.num_envs, args.num_gpu_batches,
-        1 if args.single_threaded else args.num_env_threads, env_seed,
-        life_loss_terminal=args.life_loss_terminal, serial=args.single_threaded,
+        args.env_id, args.num_envs, num_batches, env_threads, env_seed,
+        life_loss_terminal=args.life_loss_terminal, serial=args.single_threaded, first_core=first_core,
     )  # fmt: skip
     num_actions = envs.num_actions
-    num_batches, batch = args.num_gpu_batches, envs.batch_size
 
     # agent and optimizer
     agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
@@ -365,15 +311,14 @@ if __name__ == "__main__":
         optimizer.load_state_dict(checkpoint["optimizer"])
         # the saved state brings its own lr, alpha and eps: the command line's win
         optimizer.param_groups[0].update(lr=args.learning_rate, alpha=args.rms_alpha, eps=args.rms_eps)
-        utils.set_rng_states(checkpoint["rng"])
-    weights = inference_weights(agent, dtype)
+        utils.set_rng_states(checkpoint["rng"], device)
 
     def save(iteration, step, path=run_dir / "checkpoint.pt"):
         state = {
-            "script": Path(__file__).name, "env_id": args.env_id, "args": vars(args),
+            "script": script, "env_id": args.env_id, "args": vars(args),
             "num_actions": num_actions, "model": agent.state_dict(),
             "optimizer": optimizer.state_dict(), "iteration": iteration, "global_step": step,
-            "env_seed": env_seed, "rng": utils.rng_states(),
+            "env_seed": env_seed, "rng": utils.rng_states(device),
         }  # fmt: skip
         utils.save_checkpoint(path, state)
 
@@ -390,6 +335,7 @@ if __name__ == "__main__":
     rewards_host = utils.host_buffer((T, N), torch.float32, device)
     dones_host = utils.host_buffer((T + 1, N), torch.float32, device)
     rewards_host_np, dones_host_np = rewards_host.numpy(), dones_host.numpy()
+    rewards_copied = utils.new_event(device)  # the host writes rewards_host and dones_host after it
     # statistics summed on the device between log lines: value, policy and entropy losses,
     # and every value and return of the interval for the explained variance
     stats = torch.zeros(3, device=device)
@@ -397,69 +343,23 @@ if __name__ == "__main__":
     interval_returns = torch.zeros((args.log_interval, T, N), device=device)
     logged_iterations = 0
 
-    # per env batch: a stream, pinned buffers, inference buffers and every view it will touch
-    streams = [utils.new_stream(device) for _ in range(num_batches)]
-    slices = envs.slices
-    stacks = [
-        utils.DeviceFrameStack([obs[t, sl] for t in range(T + 1)], device, streams[b]) for b, sl in enumerate(slices)
-    ]
-    buffers = [inference_buffers(batch, num_actions, dtype, device) for _ in range(num_batches)]
-    step_views = [
-        [(obs[t, sl], uniforms[t, sl], actions[t, sl], logprobs[t, sl], values[t, sl]) for sl in slices]
-        for t in range(T + 1)
-    ]
-    actions_host = [utils.host_buffer((batch,), torch.long, device) for _ in range(num_batches)]
-    actions_host_np = [a.numpy() for a in actions_host]
+    # the rollout's machinery (utils.BatchedRollout): the policy's own weights
+    # (kernels.inference_weights), and per env batch a stream, device buffers, pinned host
+    # buffers and an event; on CUDA each (step, batch)'s device step captured as a CUDA graph
+    weights = kernels.inference_weights(agent, dtype)
+    timer = utils.PhaseTimer(args.profile, device)
+    rollout = utils.BatchedRollout(
+        envs, weights, obs, uniforms, actions, logprobs, values, rewards_host_np, dones_host_np, driver, graphs, timer
+    )
 
-    def act(t, b):
-        """Inference and sampling for batch b at step t, straight into the rollout storage,
-        then the actions to the host: 13 launches per batch and step (14 in bf16)."""
-        obs_t, uniform_t, action_t, logprob_t, value_t = step_views[t][b]
-        buf = buffers[b]
-        with utils.on_stream(streams[b]):
-            with timer("inference"):
-                policy_forward(weights, buf, obs_t, value_t)
-            with timer("sampling"):
-                kernels.sample_logits(buf.logits, uniform_t, action_t, logprob_t, buf.entropy)
-            with timer("device to host"):
-                actions_host[b].copy_(action_t, non_blocking=True)
-                if streams[b] is not None:
-                    streams[b].synchronize()
-
-    def rollout_batch(b):
-        """Env batch b through the horizon, in its own worker thread (sequentially with
-        --single-threaded or one batch). Returns the steps done: fewer when a stop came."""
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # the current device is per thread
-        for step in range(T + 1):
-            if stop:
-                return step
-            if step > 0:
-                with timer("env wait"):
-                    frames, ended = envs.recv(b, rewards_host_np[step - 1, slices[b]], dones_host_np[step, slices[b]])
-                with timer("host to device"):
-                    stacks[b].push(step, frames, ended)
-            act(step, b)
-            if step < T:  # the step after the horizon only gives the bootstrap value
-                envs.send(b, actions_host_np[b])
-        return T + 1
-
-    # worker threads, one per env batch (measured faster than round-robin in one thread:
-    # benchmarks/batch_workers.py)
-    threaded = num_batches > 1 and not args.single_threaded
-    pool = ThreadPoolExecutor(num_batches, thread_name_prefix="env-batch") if threaded else None
-
-    # start the game: the first frames go to the slot after the horizon, which each
-    # iteration moves to step 0
+    # start the game: the first frames go to the slot after the horizon, which each rollout
+    # moves to step 0
     progress = utils.Progress(args.total_timesteps, global_step)
     training_threads = torch.get_num_threads()
-    for b, frames in enumerate(np.split(envs.reset(), num_batches)):
-        stacks[b].start(T, frames)
-    dones_host_np[T] = 0
+    rollout.start()
     iteration = start_iteration
     print(f"run directory: {run_dir}", flush=True)
     profiler = utils.make_profiler(args.profile, run_dir, device)
-    timer = utils.PhaseTimer(args.profile, device)
 
     for iteration in range(start_iteration + 1, args.num_iterations + 1):
         # annealing the rate if instructed to do so.
@@ -467,24 +367,22 @@ if __name__ == "__main__":
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
-        # rollout: one worker thread per env batch; while a batch's envs step in C++ (GIL
-        # released), the other workers run inference (torch releases the GIL too)
-        refresh_inference_weights(weights)
+        # rollout: on the default stream the policy's weights are refreshed and every sample's
+        # uniform is drawn; each batch's stream waits for that (and the last update) before it
+        # starts, and the default stream waits for every batch's before training
+        rollout_start = time.perf_counter()
+        kernels.refresh_inference_weights(weights)
         if device.type == "cpu":
             # one OpenMP thread per op while env threads run: idle OpenMP threads spin-wait and
             # would take the env threads' cores (utils' env stepping beside a 2-thread torch ran
             # at 0.64x of ale-py alone, measured here); training gets every thread back
             torch.set_num_threads(1)
         torch.rand(uniforms.shape, out=uniforms, device=device)  # every sample of the horizon
-        obs[0].copy_(obs[T])
-        dones_host_np[0] = dones_host_np[T]
-        if pool is None:
-            completed = [rollout_batch(b) for b in range(num_batches)]
-        else:
-            completed = list(pool.map(rollout_batch, range(num_batches)))
-        if min(completed) <= T:  # a stop came: abandon the rollout, the checkpoint is the last full iteration
+        utils.wait(rewards_copied)  # the last iteration's copies of the host buffers are done
+        if not rollout.collect(lambda: stop):  # a stop abandons the rollout: the checkpoint is the last full iteration
             iteration = iteration - 1
             break
+        progress.rollout_time += time.perf_counter() - rollout_start
         # each game is logged at the step where it ended, as the baseline logs it
         for _, episodic_return, episodic_length, step in envs.pop_finished():
             progress.recent_returns.append(episodic_return)
@@ -499,6 +397,7 @@ if __name__ == "__main__":
             # with gae_lambda=1 the returns are n-step returns bootstrapped from values[T]
             rewards.copy_(rewards_host, non_blocking=True)
             dones.copy_(dones_host, non_blocking=True)
+            utils.record(rewards_copied)
             with torch.no_grad():
                 advantages, returns = gae(rewards, values, dones, args.gamma, args.gae_lambda)
 
@@ -514,7 +413,7 @@ if __name__ == "__main__":
             # network (they equal the rollout's: the weights have not changed since)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
                 _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs, b_actions)
-            newlogprob, entropy, newvalue = newlogprob.float(), entropy.float(), newvalue.float().view(-1)
+            newvalue = newvalue.view(-1)
 
             pg_loss = -(b_advantages * newlogprob).mean()
             # Value loss: the plain mean squared error, as stable-baselines3's A2C does
@@ -558,6 +457,7 @@ if __name__ == "__main__":
             stats.zero_()
             logged_iterations = 0
         if profiler is not None:
+            timer.collect()  # this rollout's GPU times: every batch's last step was waited for
             profiler.step()
             if iteration in (start_iteration + 4, args.num_iterations):
                 profiler.stop()
@@ -578,7 +478,6 @@ if __name__ == "__main__":
     else:
         save(iteration, global_step, run_dir / "model.pt")
         print(f"saved {run_dir / 'model.pt'}", flush=True)
-    if pool is not None:
-        pool.shutdown()
+    rollout.close()
     envs.close()
     writer.close()

@@ -8,7 +8,8 @@ SLM Lab PPO Atari spec. Run: python ppo_atari_baseline.py --env-id Breakout-v5
 
 import random
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import gymnasium as gym
@@ -16,7 +17,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.optim as optim
-import tyro
 from torch.distributions.categorical import Categorical
 from torch.utils.tensorboard import SummaryWriter
 
@@ -26,72 +26,72 @@ import utils
 @dataclass
 class Args:
     exp_name: str = Path(__file__).stem
-    """the name of this experiment (part of the run directory's name)"""
+    """the name of this experiment (part of the run directory's name: letters, digits, _ . + = -)"""
     seed: int = 1
-    """seed of the experiment (python, numpy, torch and the envs)"""
+    """seed of the experiment (python, numpy, torch and the envs), in [0, 2**32 - 1]"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     device: str = "auto"
     """auto (CUDA if available, else CPU), cpu, cuda or cuda:N"""
     runs_dir: str = "runs"
-    """where run directories are created"""
+    """where run directories are created (made if missing)"""
     save_interval: int = 50
-    """write a checkpoint every this many iterations (and at the end)"""
+    """write a checkpoint every this many iterations (and at the end); at least 1"""
     resume: str | None = None
-    """path of a checkpoint.pt to continue from, in its own run directory"""
+    """a checkpoint.pt, or its run directory, to continue from (in that run directory)"""
     eval_checkpoint: str | None = None
     """evaluate this checkpoint or model.pt instead of training"""
     eval_episodes: int = 10
-    """number of full games played by --eval-checkpoint"""
+    """number of full games played by --eval-checkpoint; at least 1"""
     capture_video: bool = False
     """record the evaluation games to videos/ in the run directory (needs moviepy)"""
 
     # Algorithm specific arguments
-    env_id: str = "Breakout-v5"
-    """the id of the game: Breakout-v5 or ALE/Breakout-v5 (any ale-py game)"""
+    env_id: str | None = None
+    """the game: Breakout-v5 (default), ALE/Breakout-v5 or breakout-v5; evaluation: the checkpoint's game"""
     total_timesteps: int = 10_000_000
-    """total agent steps of the experiment (each is 4 frames)"""
+    """total agent steps (4 frames each), at least one batch; runs a whole number of iterations"""
     learning_rate: float = 2.5e-4
-    """the learning rate of the optimizer"""
+    """the learning rate of the optimizer (finite, > 0)"""
     num_envs: int = 16
-    """the number of parallel game environments"""
+    """the number of parallel game environments; at least 1"""
     num_steps: int = 128
-    """the number of steps to run in each environment per policy rollout"""
+    """the number of steps to run in each environment per policy rollout; at least 1"""
     anneal_lr: bool = True
     """toggle learning rate annealing for policy and value networks"""
     gamma: float = 0.99
-    """the discount factor gamma"""
+    """the discount factor gamma, in [0, 1]"""
     gae_lambda: float = 0.95
-    """the lambda for the general advantage estimation"""
+    """the lambda for the general advantage estimation, in [0, 1]"""
     num_minibatches: int = 8
-    """the number of mini-batches"""
+    """the number of mini-batches (at least 1; it divides num_envs x num_steps)"""
     update_epochs: int = 4
-    """the K epochs to update the policy (0: collect only, used to time the rollout)"""
+    """the K epochs to update the policy (at least 0; 0: collect only, used to time the rollout)"""
     norm_adv: bool = True
     """toggles advantages normalization"""
     clip_coef: float = 0.1
-    """the surrogate clipping coefficient"""
+    """the surrogate clipping coefficient (finite, > 0)"""
     clip_vloss: bool = True
     """toggles whether or not to use a clipped loss for the value function"""
     ent_coef: float = 0.01
-    """coefficient of the entropy"""
+    """coefficient of the entropy (finite, >= 0)"""
     vf_coef: float = 0.5
-    """coefficient of the value function"""
+    """coefficient of the value function (finite, >= 0)"""
     max_grad_norm: float = 0.5
-    """the maximum norm for the gradient clipping"""
+    """the maximum norm for the gradient clipping (finite, > 0)"""
     target_kl: float | None = None
-    """the target KL divergence threshold"""
+    """the target KL divergence threshold (finite, > 0; unset: no early stop)"""
     life_loss_terminal: bool = True
     """treat a lost life as terminal for the learner (returns are still logged per full game)"""
     vector_mode: str = "async"
     """async: one process per env (gymnasium AsyncVectorEnv); sync: all in this process"""
 
-    # to be filled in runtime
-    batch_size: int = 0
+    # to be filled in runtime (not flags)
+    batch_size: int = field(default=0, init=False)
     """the batch size (computed in runtime)"""
-    minibatch_size: int = 0
+    minibatch_size: int = field(default=0, init=False)
     """the mini-batch size (computed in runtime)"""
-    num_iterations: int = 0
+    num_iterations: int = field(default=0, init=False)
     """the number of iterations (computed in runtime)"""
 
 
@@ -196,17 +196,9 @@ class Agent(nn.Module):
 
 
 def parse_args() -> Args:
-    args = tyro.cli(Args)
-    utils.rom_id(args.env_id)  # unknown games fail here, with close matches
+    args = utils.cli(Args)  # tyro.cli, with its errors as one line
+    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir
     utils.check_capture_video(args.capture_video, args.eval_checkpoint)
-    utils.check_positive(num_envs=args.num_envs, eval_episodes=args.eval_episodes)
-    if args.eval_checkpoint is None:
-        utils.check_positive(
-            total_timesteps=args.total_timesteps, num_steps=args.num_steps,
-            num_minibatches=args.num_minibatches, save_interval=args.save_interval,
-        )  # fmt: skip
-        if args.update_epochs < 0:
-            raise utils.UsageError(f"--update-epochs must be >= 0, got {args.update_epochs}")
     if args.vector_mode not in ("async", "sync"):
         raise utils.UsageError(f"--vector-mode {args.vector_mode!r}: expected async or sync")
     args.batch_size = int(args.num_envs * args.num_steps)
@@ -223,17 +215,20 @@ def parse_args() -> Args:
 
 
 if __name__ == "__main__":
+    script = Path(__file__).name
     try:
         args = parse_args()
         device = utils.resolve_device(args.device)
         checkpoint = None
         if args.resume is not None:
-            checkpoint = utils.load_checkpoint(args.resume, Path(__file__).name, args.env_id)
+            checkpoint = utils.load_checkpoint(args.resume, script, args.env_id, Agent, resume=True)
             utils.check_resume_args(checkpoint, args)
         if args.eval_checkpoint is not None:
-            evaluated = utils.load_checkpoint(args.eval_checkpoint, Path(__file__).name, args.env_id)
+            evaluated = utils.load_checkpoint(args.eval_checkpoint, script, args.env_id, Agent)
+            args.env_id = utils.canonical_env_id(evaluated["env_id"])
     except utils.UsageError as e:
         utils.fail(str(e))
+    print(utils.describe_run(args, device, f"{args.num_envs} envs ({args.vector_mode} vector env)"), flush=True)
 
     # seeding
     random.seed(args.seed)
@@ -257,17 +252,16 @@ if __name__ == "__main__":
 
     # log setup: a resumed run continues in its own directory and step count
     if checkpoint is not None:
-        run_dir = Path(args.resume).parent
+        run_dir = utils.checkpoint_path(args.resume).parent
         start_iteration, global_step = checkpoint["iteration"], checkpoint["global_step"]
     else:
-        run_dir = Path(args.runs_dir) / utils.run_name(args)
+        run_dir = utils.make_run_dir(args)  # a new directory, never one another run writes to
         start_iteration, global_step = 0, 0
-    run_dir.mkdir(parents=True, exist_ok=True)
     # purge_step drops events a crashed run wrote after its last checkpoint
     writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
     if checkpoint is None:
         writer.add_text("hyperparameters", utils.hyperparameters_text(args))
-    stop = utils.StopSignal()
+    stop = utils.StopSignal(run_dir / "checkpoint.pt")
 
     # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
     env_seed = args.seed + 1_000_003 * start_iteration
@@ -286,14 +280,14 @@ if __name__ == "__main__":
         agent.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         optimizer.param_groups[0]["lr"] = args.learning_rate  # the command line's rate, not the saved one
-        utils.set_rng_states(checkpoint["rng"])
+        utils.set_rng_states(checkpoint["rng"], device)
 
     def save(iteration, step, path=run_dir / "checkpoint.pt"):
         state = {
             "script": Path(__file__).name, "env_id": args.env_id, "args": vars(args),
             "num_actions": num_actions, "model": agent.state_dict(),
             "optimizer": optimizer.state_dict(), "iteration": iteration, "global_step": step,
-            "env_seed": env_seed, "rng": utils.rng_states(),
+            "env_seed": env_seed, "rng": utils.rng_states(device),
         }  # fmt: skip
         utils.save_checkpoint(path, state)
 
@@ -323,6 +317,7 @@ if __name__ == "__main__":
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
         # rollout
+        rollout_start = time.perf_counter()
         for step in range(0, args.num_steps):
             if stop:
                 break
@@ -353,6 +348,7 @@ if __name__ == "__main__":
         if stop:  # abandon the unfinished rollout: the checkpoint is the last full iteration
             iteration, global_step = iteration - 1, iteration_start_step
             break
+        progress.rollout_time += time.perf_counter() - rollout_start  # action.cpu() synced each step
 
         # bootstrap value if not done
         with torch.no_grad():

@@ -1,32 +1,45 @@
 """PPO on Atari with a rollout built for speed; the same PPO as ppo_atari_baseline.py.
 
 What is different from the baseline, and why:
-- Envs are stepped by ale-py's C++ threads (utils.ThreadedAtariEnvs), which release the GIL.
-- The envs are split into --num-gpu-batches fixed batches, each with its own CUDA stream and
-  buffers: while one batch's envs step, Python runs inference for the next batch.
-- Only the newest 84x84 frame crosses to the device; the 4-frame stack lives there.
-- Inference has no autograd and allocates nothing: convolutions write into preallocated
-  buffers, then three fused Triton kernels (kernels.py) do Linear+GELU, both heads, and
-  sampling from uniforms drawn once per iteration, straight into the rollout storage.
-- GAE is vectorized over time on the device; the update never syncs per minibatch.
-- --precision bf16 runs inference and training in bfloat16 (autocast, channels_last).
+- Envs are stepped by ale-py's C++ threads (utils.ThreadedAtariEnvs), which release the GIL:
+  --num-env-threads of them in all, split over --num-gpu-batches fixed env batches.
+- Each env batch has its own CUDA stream and buffers. Its step on the device is one call,
+  kernels.policy_step: the new frames pushed onto the 4-frame stacks, which live in the
+  rollout storage (only the newest 84x84 frame crosses to the device), then the network and
+  sampling from uniforms drawn once per iteration, straight into the storage. On CUDA each
+  (step, batch) is replayed from a CUDA graph captured at start (--cuda-graphs): the host
+  pays one launch, two copies and an event per batch-step.
+- Who serves the batches (--driver). On CUDA one driver thread serves them all in turn: a
+  batch-step only launches work, and while one batch's policy runs on the GPU (the host
+  sleeps on a blocking event, not spinning a core) and other batches' envs step in C++, the
+  driver moves on to the next batch. A worker thread per batch was slower there: every launch
+  drops and retakes the GIL, so 8 threads queue for it, and each spins in a stream sync (on an
+  H100 before this design, 16 envs in 8 batches with a thread each ran at 0.56x the
+  baseline). On CPU a worker thread per batch: inference is milliseconds of compute that
+  releases the GIL, two batches' forward passes use two cores at once, and it was measured
+  1.2-1.4x faster than one driver (benchmarks/batch_workers.py).
+- GAE is vectorized over time on the device; the update never syncs per minibatch; Adam is
+  fused on CUDA.
+- --precision auto is bf16 on GPUs (sm_80+) and CPUs (AVX-512 BF16, AMX) that have it, fp32
+  elsewhere. In bf16 the convolutions run in bfloat16 and Linear(3136, 512) takes bfloat16
+  operands but adds up in float32, heads in float32, in the rollout and in training alike;
+  fp32 is float32 throughout (no TF32), so PPO's first ratio is 1 up to rounding in both.
 Run: python ppo_atari_native.py --env-id Breakout-v5 --num-gpu-batches 8
 """
 
 import os
 import random
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.optim as optim
-import tyro
 from torch.distributions.categorical import Categorical
 from torch.utils.tensorboard import SummaryWriter
 
@@ -37,31 +50,35 @@ import utils
 @dataclass
 class Args:
     exp_name: str = Path(__file__).stem
-    """the name of this experiment (part of the run directory's name)"""
+    """the name of this experiment (part of the run directory's name: letters, digits, _ . + = -)"""
     seed: int = 1
-    """seed of the experiment (python, numpy, torch and the envs)"""
+    """seed of the experiment (python, numpy, torch and the envs), in [0, 2**32 - 1]"""
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     device: str = "auto"
     """auto (CUDA if available, else CPU), cpu, cuda or cuda:N"""
     runs_dir: str = "runs"
-    """where run directories are created"""
+    """where run directories are created (made if missing)"""
     save_interval: int = 50
-    """write a checkpoint every this many iterations (and at the end)"""
+    """write a checkpoint every this many iterations (and at the end); at least 1"""
     resume: str | None = None
-    """path of a checkpoint.pt to continue from, in its own run directory"""
+    """a checkpoint.pt, or its run directory, to continue from (in that run directory)"""
     eval_checkpoint: str | None = None
     """evaluate this checkpoint or model.pt instead of training"""
     eval_episodes: int = 10
-    """number of full games played by --eval-checkpoint"""
+    """number of full games played by --eval-checkpoint; at least 1"""
     capture_video: bool = False
     """record the evaluation games to videos/ in the run directory (needs moviepy)"""
     num_gpu_batches: int = 2
-    """split the envs into this many independent batches, each on its own CUDA stream"""
-    num_env_threads: int = os.cpu_count() or 1
-    """C++ threads stepping each batch's envs"""
-    precision: str = "fp32"
-    """fp32 or bf16 (autocast and channels_last, for inference and training)"""
+    """split the envs into this many independent batches, each on its own CUDA stream (divides num_envs)"""
+    num_env_threads: int | None = None
+    """C++ threads stepping the envs, in all (default: CUDA: the cores but the driver's; CPU: min(cores, batch) each)"""
+    precision: str = "auto"
+    """auto, fp32 or bf16 (auto: bf16 where the GPU or CPU has it natively, fp32 elsewhere)"""
+    cuda_graphs: bool = True
+    """on CUDA, replay each batch-step's device work as a captured CUDA graph (off: launch its kernels one by one)"""
+    driver: str = "auto"
+    """who serves the env batches: single (one thread in turn), threads (one each), auto (CUDA: single; else threads)"""
     profile: bool = False
     """trace iterations 2-4 with torch.profiler (trace.json, for Perfetto) and print a table of time per phase"""
     single_threaded: bool = False
@@ -70,49 +87,49 @@ class Args:
     """torch.distributed backend under torchrun (default: nccl on CUDA, gloo on CPU)"""
 
     # Algorithm specific arguments
-    env_id: str = "Breakout-v5"
-    """the id of the game: Breakout-v5 or ALE/Breakout-v5 (any ale-py game)"""
+    env_id: str | None = None
+    """the game: Breakout-v5 (default), ALE/Breakout-v5 or breakout-v5; evaluation: the checkpoint's game"""
     total_timesteps: int = 10_000_000
-    """total agent steps of the experiment (each is 4 frames; under torchrun, of all ranks together)"""
+    """total agent steps (4 frames each; under torchrun, of all ranks), at least one batch; whole iterations"""
     learning_rate: float = 2.5e-4
-    """the learning rate of the optimizer"""
+    """the learning rate of the optimizer (finite, > 0)"""
     num_envs: int = 16
-    """the number of parallel game environments (under torchrun, per rank)"""
+    """the number of parallel game environments (under torchrun, per rank); at least 1"""
     num_steps: int = 128
-    """the number of steps to run in each environment per policy rollout"""
+    """the number of steps to run in each environment per policy rollout; at least 1"""
     anneal_lr: bool = True
     """toggle learning rate annealing for policy and value networks"""
     gamma: float = 0.99
-    """the discount factor gamma"""
+    """the discount factor gamma, in [0, 1]"""
     gae_lambda: float = 0.95
-    """the lambda for the general advantage estimation"""
+    """the lambda for the general advantage estimation, in [0, 1]"""
     num_minibatches: int = 8
-    """the number of mini-batches"""
+    """the number of mini-batches (at least 1; it divides num_envs x num_steps)"""
     update_epochs: int = 4
-    """the K epochs to update the policy (0: collect only, used to time the rollout)"""
+    """the K epochs to update the policy (at least 0; 0: collect only, used to time the rollout)"""
     norm_adv: bool = True
     """toggles advantages normalization"""
     clip_coef: float = 0.1
-    """the surrogate clipping coefficient"""
+    """the surrogate clipping coefficient (finite, > 0)"""
     clip_vloss: bool = True
     """toggles whether or not to use a clipped loss for the value function"""
     ent_coef: float = 0.01
-    """coefficient of the entropy"""
+    """coefficient of the entropy (finite, >= 0)"""
     vf_coef: float = 0.5
-    """coefficient of the value function"""
+    """coefficient of the value function (finite, >= 0)"""
     max_grad_norm: float = 0.5
-    """the maximum norm for the gradient clipping"""
+    """the maximum norm for the gradient clipping (finite, > 0)"""
     target_kl: float | None = None
-    """the target KL divergence threshold"""
+    """the target KL divergence threshold (finite, > 0; unset: no early stop)"""
     life_loss_terminal: bool = True
     """treat a lost life as terminal for the learner (returns are still logged per full game)"""
 
-    # to be filled in runtime
-    batch_size: int = 0
+    # to be filled in runtime (not flags)
+    batch_size: int = field(default=0, init=False)
     """the batch size (computed in runtime)"""
-    minibatch_size: int = 0
+    minibatch_size: int = field(default=0, init=False)
     """the mini-batch size (computed in runtime)"""
-    num_iterations: int = 0
+    num_iterations: int = field(default=0, init=False)
     """the number of iterations (computed in runtime)"""
 
 
@@ -142,86 +159,20 @@ class Agent(nn.Module):
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
     def get_action_and_value(self, x, action=None):
-        x = x.contiguous(memory_format=torch.channels_last)
-        hidden = self.network(x / 255.0)
-        logits = self.actor(hidden)
-        probs = Categorical(logits=logits, validate_args=False)  # NaNs reach the non-finite checks
-        if action is None:
-            action = probs.sample()
-        return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
-
-
-def inference_weights(agent, dtype):
-    """Copies of the weights in the layout the rollout wants; refreshed in place each iteration.
-
-    conv1 gets the 1/255 input scale folded in, so no float observation is ever built. The
-    convs run channels_last, so their output flattens in (h, w, c) order: Linear(3136, 512)'s
-    columns are permuted to match, and the last conv's output feeds it without a copy.
-    """
-    conv1, conv2, conv3, fc = agent.network[0], agent.network[2], agent.network[4], agent.network[7]
-    cl = torch.channels_last
-    w = SimpleNamespace(
-        conv_weight=[torch.empty_like(c.weight, dtype=dtype, memory_format=cl) for c in (conv1, conv2, conv3)],
-        conv_bias=[torch.empty_like(c.bias, dtype=dtype) for c in (conv1, conv2, conv3)],
-        fc_weight=torch.empty_like(fc.weight),
-        agent=agent,
-    )
-    refresh_inference_weights(w)
-    return w
-
-
-@torch.no_grad()
-def refresh_inference_weights(w):
-    network = w.agent.network
-    for i, conv in enumerate((network[0], network[2], network[4])):
-        w.conv_weight[i].copy_(conv.weight)
-        w.conv_bias[i].copy_(conv.bias)
-    w.conv_weight[0].mul_(1.0 / 255.0)
-    fc = network[7]
-    w.fc_weight.copy_(fc.weight.view(512, 64, 7, 7).permute(0, 2, 3, 1).reshape(512, 3136))
-
-
-def inference_buffers(batch, num_actions, dtype, device):
-    """Everything one env batch's inference writes into, allocated once."""
-    cl = torch.channels_last
-    b = SimpleNamespace(
-        x=torch.empty((batch, 4, 84, 84), dtype=dtype, device=device, memory_format=cl),
-        c1=torch.empty((batch, 32, 20, 20), dtype=dtype, device=device, memory_format=cl),
-        c2=torch.empty((batch, 64, 9, 9), dtype=dtype, device=device, memory_format=cl),
-        c3=torch.empty((batch, 64, 7, 7), dtype=dtype, device=device, memory_format=cl),
-        hidden=torch.empty((batch, 512), device=device),
-        logits=torch.empty((batch, num_actions), device=device),
-        entropy=torch.empty(batch, device=device),
-    )
-    b.c3_flat = b.c3.permute(0, 2, 3, 1).reshape(batch, 3136)  # a view: channels_last is (h, w, c)
-    b.features = b.c3_flat if dtype == torch.float32 else torch.empty((batch, 3136), device=device)
-    return b
-
-
-@torch.no_grad()
-def policy_forward(w, buf, obs, value_out):
-    """Logits (into buf.logits) and values for one env batch: 10 launches in fp32, 11 in bf16.
-
-    obs uint8 [batch, 4, 84, 84]; value_out is a view of the rollout storage. Nothing is
-    allocated here except inside the convolution primitives.
-    """
-    conv = torch.ops.aten.convolution.out
-    buf.x.copy_(obs)  # uint8 -> float, and NCHW -> channels_last, in one copy
-    conv(buf.x, w.conv_weight[0], w.conv_bias[0], [4, 4], [0, 0], [1, 1], False, [0, 0], 1, out=buf.c1)
-    buf.c1.relu_()
-    conv(buf.c1, w.conv_weight[1], w.conv_bias[1], [2, 2], [0, 0], [1, 1], False, [0, 0], 1, out=buf.c2)
-    buf.c2.relu_()
-    conv(buf.c2, w.conv_weight[2], w.conv_bias[2], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, out=buf.c3)
-    buf.c3.relu_()
-    if buf.features is not buf.c3_flat:
-        buf.features.copy_(buf.c3_flat)  # bf16 -> fp32 for the fp32 head kernels
-    agent = w.agent
-    fc = agent.network[7]
-    kernels.linear_gelu(buf.features, w.fc_weight, fc.bias, out=buf.hidden)
-    kernels.policy_value_heads(
-        buf.hidden, agent.actor.weight, agent.actor.bias, agent.critic.weight, agent.critic.bias,
-        logits_out=buf.logits, value_out=value_out,
-    )  # fmt: skip
+        # x * (1 / 255), as the rollout's kernels.push_frames scales the frames
+        x = (x * (1.0 / 255.0)).contiguous(memory_format=torch.channels_last)
+        features = self.network[:7](x)  # the convolutions: bfloat16 under bf16 autocast
+        # the rest in float32, as the rollout computes it: Linear(3136, 512) on the features as
+        # they are (bf16 operands under autocast, the weight rounded like autocast rounds it)
+        # adding up in float32, then GELU, heads and the distribution in float32
+        with torch.autocast(x.device.type, enabled=False):
+            fc = self.network[7]
+            hidden = self.network[8](F.linear(features.float(), fc.weight.to(features.dtype).float(), fc.bias))
+            logits = self.actor(hidden)
+            probs = Categorical(logits=logits, validate_args=False)  # NaNs reach the non-finite checks
+            if action is None:
+                action = probs.sample()
+            return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
 
 
 def gae(rewards, values, dones, gamma, gae_lambda):
@@ -244,24 +195,13 @@ def gae(rewards, values, dones, gamma, gae_lambda):
 
 
 def parse_args() -> Args:
-    args = tyro.cli(Args)
-    utils.rom_id(args.env_id)  # unknown games fail here, with close matches
+    args = utils.cli(Args)  # tyro.cli, with its errors as one line
+    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir
     utils.check_capture_video(args.capture_video, args.eval_checkpoint)
-    utils.check_positive(
-        num_envs=args.num_envs, num_gpu_batches=args.num_gpu_batches,
-        num_env_threads=args.num_env_threads, eval_episodes=args.eval_episodes,
-    )  # fmt: skip
     if args.num_envs % args.num_gpu_batches:
         raise utils.UsageError(
             f"--num-envs {args.num_envs} is not divisible by --num-gpu-batches {args.num_gpu_batches}"
         )
-    if args.eval_checkpoint is None:
-        utils.check_positive(
-            total_timesteps=args.total_timesteps, num_steps=args.num_steps,
-            num_minibatches=args.num_minibatches, save_interval=args.save_interval,
-        )  # fmt: skip
-        if args.update_epochs < 0:
-            raise utils.UsageError(f"--update-epochs must be >= 0, got {args.update_epochs}")
     args.batch_size = int(args.num_envs * args.num_steps)
     if args.batch_size % args.num_minibatches:
         raise utils.UsageError(
@@ -274,6 +214,8 @@ def parse_args() -> Args:
         raise utils.UsageError(
             f"--total-timesteps {args.total_timesteps} is below one batch ({args.batch_size * world_size} steps)"
         )
+    if args.driver not in ("auto", "single", "threads"):
+        raise utils.UsageError(f"--driver {args.driver!r}: expected auto, single or threads")
     if args.backend not in (None, "gloo", "nccl", "mpi"):
         raise utils.UsageError(f"--backend {args.backend!r}: expected gloo, nccl or mpi")
     args.minibatch_size = int(args.batch_size // args.num_minibatches)
@@ -307,28 +249,36 @@ def all_reduce_gradients(parameters, world_size):
 
 
 if __name__ == "__main__":
+    script = Path(__file__).name
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         args = parse_args()
         device = utils.resolve_device(args.device)
-        utils.check_precision(args.precision, device)
+        if distributed and args.eval_checkpoint is None:
+            device = utils.torchrun_device(device)  # rank r on cuda:LOCAL_RANK
+        precision = utils.resolve_precision(args.precision, device)
         checkpoint = None
         if args.resume is not None:
-            checkpoint = utils.load_checkpoint(args.resume, Path(__file__).name, args.env_id)
+            checkpoint = utils.load_checkpoint(args.resume, script, args.env_id, Agent, resume=True)
             utils.check_resume_args(checkpoint, args)
         if args.eval_checkpoint is not None:
-            evaluated = utils.load_checkpoint(args.eval_checkpoint, Path(__file__).name, args.env_id)
+            evaluated = utils.load_checkpoint(args.eval_checkpoint, script, args.env_id, Agent)
+            args.env_id = utils.canonical_env_id(evaluated["env_id"])
     except utils.UsageError as e:
         utils.fail(str(e))
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this thread's current device; worker threads set theirs
+    # fp32 means float32 everywhere: no TF32 in cuDNN or matmuls, so that the rollout's
+    # log-probs equal the learner's (bf16 mode runs bfloat16 where it says so, see Agent)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
     # torchrun: one process per GPU (or per CPU process), each with its own envs; gradients
     # are averaged every minibatch, only rank 0 logs and saves. Without torchrun: one process.
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.eval_checkpoint is None
-    rank, world_size = 0, 1
+    distributed = distributed and args.eval_checkpoint is None
+    rank, world_size, local_rank, local_world_size = 0, 1, 0, 1
     if distributed:
-        if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
         # before init_process_group: torch.optim imports torch._dynamo lazily, and imported after
         # it, torch._dynamo keeps the process group and gloo's threads alive past
         # destroy_process_group; a gloo thread that frees a collective's tensors while Python
@@ -337,6 +287,7 @@ if __name__ == "__main__":
 
         dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"))
         rank, world_size = dist.get_rank(), dist.get_world_size()
+        local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
 
     # seeding
     random.seed(args.seed)
@@ -345,10 +296,12 @@ if __name__ == "__main__":
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     if args.eval_checkpoint is not None:
+        if rank == 0:
+            print(utils.describe_run(args, device, "evaluation envs"), flush=True)
         agent = Agent(evaluated["num_actions"]).to(device)
         agent.load_state_dict(evaluated["model"])
         video_dir = Path(args.eval_checkpoint).parent / "videos"
-        act = lambda obs: agent.get_action_and_value(obs.float())[0]  # noqa: E731
+        act = lambda obs: agent.get_action_and_value(obs)[0]  # noqa: E731
         try:
             returns = utils.evaluate(
                 args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir
@@ -358,55 +311,71 @@ if __name__ == "__main__":
         print(utils.report_evaluation(args.env_id, returns))
         sys.exit(0)
 
+    # how this process steps its envs: C++ env threads, and who serves the env batches
+    num_batches = args.num_gpu_batches
+    batch = args.num_envs // num_batches
+    env_threads, first_core = utils.env_threads(
+        1 if args.single_threaded else args.num_env_threads, device, num_batches, batch, local_rank, local_world_size
+    )
+    driver = "sequential" if args.single_threaded or num_batches == 1 else args.driver
+    if driver == "auto":
+        driver = "single" if device.type == "cuda" else "threads"
+    graphs = args.cuda_graphs and device.type == "cuda"
+    if rank == 0:
+        envs_text = f"{args.num_envs} envs x {num_batches} batches, {env_threads} env threads"
+        envs_text += " pinned" if first_core is not None else ""
+        envs_text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}"
+        print(utils.describe_run(args, device, envs_text, precision, world_size), flush=True)
+
     # log setup: a resumed run continues in its own directory and step count
     if checkpoint is not None:
-        run_dir = Path(args.resume).parent
+        run_dir = utils.checkpoint_path(args.resume).parent
         start_iteration, global_step = checkpoint["iteration"], checkpoint["global_step"]
     else:
-        run_dir = Path(args.runs_dir) / utils.run_name(args)
+        run_dir = utils.make_run_dir(args) if rank == 0 else None  # never a directory another run writes to
         start_iteration, global_step = 0, 0
+        if distributed:  # every rank names rank 0's directory in its messages
+            names = [run_dir.name if rank == 0 else None]
+            dist.broadcast_object_list(names, src=0)
+            run_dir = Path(args.runs_dir) / names[0]
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
         # purge_step drops events a crashed run wrote after its last checkpoint
         writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
         if checkpoint is None:
             writer.add_text("hyperparameters", utils.hyperparameters_text(args))
     else:
         writer = NoWriter()
-    stop = utils.StopSignal()
+    stop = utils.StopSignal(run_dir / "checkpoint.pt")
 
     # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
     env_seed = args.seed + 1_000_003 * start_iteration + 10_007 * rank
     envs = utils.ThreadedAtariEnvs(
-        args.env_id, args.num_envs, args.num_gpu_batches,
-        1 if args.single_threaded else args.num_env_threads, env_seed,
-        life_loss_terminal=args.life_loss_terminal, serial=args.single_threaded,
+        args.env_id, args.num_envs, num_batches, env_threads, env_seed,
+        life_loss_terminal=args.life_loss_terminal, serial=args.single_threaded, first_core=first_core,
     )  # fmt: skip
     num_actions = envs.num_actions
-    num_batches, batch = args.num_gpu_batches, envs.batch_size
 
     # agent and optimizer
     agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
-    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
+    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=device.type == "cuda")
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         optimizer.param_groups[0]["lr"] = args.learning_rate  # the command line's rate, not the saved one
-        utils.set_rng_states(checkpoint["rng"])
+        utils.set_rng_states(checkpoint["rng"], device)
     if distributed:  # identical weights everywhere, then each rank samples its own actions
         for tensor in agent.state_dict().values():
             dist.broadcast(tensor, src=0)
         torch.manual_seed(args.seed + 7_919 * rank + start_iteration)
-    weights = inference_weights(agent, dtype)
 
     def save(iteration, step, path=run_dir / "checkpoint.pt"):
         if rank != 0:
             return
         state = {
-            "script": Path(__file__).name, "env_id": args.env_id, "args": vars(args),
+            "script": script, "env_id": args.env_id, "args": vars(args),
             "num_actions": num_actions, "model": agent.state_dict(),
             "optimizer": optimizer.state_dict(), "iteration": iteration, "global_step": step,
-            "env_seed": env_seed, "rng": utils.rng_states(),
+            "env_seed": env_seed, "rng": utils.rng_states(device),
         }  # fmt: skip
         utils.save_checkpoint(path, state)
 
@@ -423,71 +392,26 @@ if __name__ == "__main__":
     rewards_host = utils.host_buffer((T, N), torch.float32, device)
     dones_host = utils.host_buffer((T + 1, N), torch.float32, device)
     rewards_host_np, dones_host_np = rewards_host.numpy(), dones_host.numpy()
+    rewards_copied = utils.new_event(device)  # the host writes rewards_host and dones_host after it
 
-    # per env batch: a stream, pinned buffers, inference buffers and every view it will touch
-    streams = [utils.new_stream(device) for _ in range(num_batches)]
-    slices = envs.slices
-    stacks = [
-        utils.DeviceFrameStack([obs[t, sl] for t in range(T + 1)], device, streams[b]) for b, sl in enumerate(slices)
-    ]
-    buffers = [inference_buffers(batch, num_actions, dtype, device) for _ in range(num_batches)]
-    step_views = [
-        [(obs[t, sl], uniforms[t, sl], actions[t, sl], logprobs[t, sl], values[t, sl]) for sl in slices]
-        for t in range(T + 1)
-    ]
-    actions_host = [utils.host_buffer((batch,), torch.long, device) for _ in range(num_batches)]
-    actions_host_np = [a.numpy() for a in actions_host]
+    # the rollout's machinery (utils.BatchedRollout): the policy's own weights
+    # (kernels.inference_weights), and per env batch a stream, device buffers, pinned host
+    # buffers and an event; on CUDA each (step, batch)'s device step captured as a CUDA graph
+    weights = kernels.inference_weights(agent, dtype)
+    timer = utils.PhaseTimer(args.profile, device)
+    rollout = utils.BatchedRollout(
+        envs, weights, obs, uniforms, actions, logprobs, values, rewards_host_np, dones_host_np, driver, graphs, timer
+    )
 
-    def act(t, b):
-        """Inference and sampling for batch b at step t, straight into the rollout storage,
-        then the actions to the host: 13 launches per batch and step (14 in bf16)."""
-        obs_t, uniform_t, action_t, logprob_t, value_t = step_views[t][b]
-        buf = buffers[b]
-        with utils.on_stream(streams[b]):
-            with timer("inference"):
-                policy_forward(weights, buf, obs_t, value_t)
-            with timer("sampling"):
-                kernels.sample_logits(buf.logits, uniform_t, action_t, logprob_t, buf.entropy)
-            with timer("device to host"):
-                actions_host[b].copy_(action_t, non_blocking=True)
-                if streams[b] is not None:
-                    streams[b].synchronize()
-
-    def rollout_batch(b):
-        """Env batch b through the horizon, in its own worker thread (sequentially with
-        --single-threaded or one batch). Returns the steps done: fewer when a stop came."""
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # the current device is per thread
-        for step in range(T + 1):
-            if stop and not distributed:  # ranks stay in lockstep: they stop after the update
-                return step
-            if step > 0:
-                with timer("env wait"):
-                    frames, ended = envs.recv(b, rewards_host_np[step - 1, slices[b]], dones_host_np[step, slices[b]])
-                with timer("host to device"):
-                    stacks[b].push(step, frames, ended)
-            act(step, b)
-            if step < T:  # the step after the horizon only gives the bootstrap value
-                envs.send(b, actions_host_np[b])
-        return T + 1
-
-    # worker threads, one per env batch (measured faster than round-robin in one thread:
-    # benchmarks/batch_workers.py)
-    threaded = num_batches > 1 and not args.single_threaded
-    pool = ThreadPoolExecutor(num_batches, thread_name_prefix="env-batch") if threaded else None
-
-    # start the game: the first frames go to the slot after the horizon, which each
-    # iteration moves to step 0
+    # start the game: the first frames go to the slot after the horizon, which each rollout
+    # moves to step 0
     progress = utils.Progress(args.total_timesteps, global_step)
     training_threads = torch.get_num_threads()
-    for b, frames in enumerate(np.split(envs.reset(), num_batches)):
-        stacks[b].start(T, frames)
-    dones_host_np[T] = 0
+    rollout.start()
     iteration = start_iteration
     if rank == 0:
         print(f"run directory: {run_dir}", flush=True)
     profiler = utils.make_profiler(args.profile, run_dir, device)
-    timer = utils.PhaseTimer(args.profile, device)
 
     for iteration in range(start_iteration + 1, args.num_iterations + 1):
         # annealing the rate if instructed to do so.
@@ -495,24 +419,24 @@ if __name__ == "__main__":
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
-        # rollout: one worker thread per env batch; while a batch's envs step in C++ (GIL
-        # released), the other workers run inference (torch releases the GIL too)
-        refresh_inference_weights(weights)
+        # rollout: on the default stream the policy's weights are refreshed and every sample's
+        # uniform is drawn; each batch's stream waits for that (and the last update) before it
+        # starts, and the default stream waits for every batch's before training
+        rollout_start = time.perf_counter()
+        kernels.refresh_inference_weights(weights)
         if device.type == "cpu":
             # one OpenMP thread per op while env threads run: idle OpenMP threads spin-wait and
             # would take the env threads' cores (utils' env stepping beside a 2-thread torch ran
             # at 0.64x of ale-py alone, measured here); training gets every thread back
             torch.set_num_threads(1)
         torch.rand(uniforms.shape, out=uniforms, device=device)  # every sample of the horizon
-        obs[0].copy_(obs[T])
-        dones_host_np[0] = dones_host_np[T]
-        if pool is None:
-            completed = [rollout_batch(b) for b in range(num_batches)]
-        else:
-            completed = list(pool.map(rollout_batch, range(num_batches)))
-        if min(completed) <= T:  # a stop came: abandon the rollout, the checkpoint is the last full iteration
+        utils.wait(rewards_copied)  # the last iteration's copies of the host buffers are done
+        # a stop abandons the rollout (the checkpoint is the last full iteration); under torchrun
+        # the ranks stay in lockstep: they stop after the update
+        if not rollout.collect(lambda: stop and not distributed):
             iteration = iteration - 1
             break
+        progress.rollout_time += time.perf_counter() - rollout_start
         # each game is logged at the step where it ended, as the baseline logs it
         for _, episodic_return, episodic_length, step in envs.pop_finished():
             progress.recent_returns.append(episodic_return)
@@ -526,6 +450,7 @@ if __name__ == "__main__":
             # advantages: terminals and rewards cross to the device once per iteration
             rewards.copy_(rewards_host, non_blocking=True)
             dones.copy_(dones_host, non_blocking=True)
+            utils.record(rewards_copied)
             with torch.no_grad():
                 advantages, returns = gae(rewards, values, dones, args.gamma, args.gae_lambda)
 
@@ -550,10 +475,8 @@ if __name__ == "__main__":
                         _, newlogprob, entropy, newvalue = agent.get_action_and_value(
                             b_obs[mb_inds], b_actions[mb_inds]
                         )
-                    newlogprob, entropy, newvalue = newlogprob.float(), entropy.float(), newvalue.float()
                     logratio = newlogprob - b_logprobs[mb_inds]
                     ratio = logratio.exp()
-
                     with torch.no_grad():
                         # calculate approx_kl http://joschu.net/blog/kl-approx.html
                         old_approx_kl = (-logratio).mean()
@@ -634,6 +557,7 @@ if __name__ == "__main__":
         if rank == 0:
             print(progress.line(iteration, args.num_iterations, global_step), flush=True)
         if profiler is not None:
+            timer.collect()  # this rollout's GPU times: every batch's last step was waited for
             profiler.step()
             if iteration in (start_iteration + 4, args.num_iterations):
                 profiler.stop()
@@ -663,7 +587,6 @@ if __name__ == "__main__":
             identical = all(torch.equal(g, gathered[0]) for g in gathered)
             print(f"weights identical on all {world_size} ranks: {identical}", flush=True)
         dist.destroy_process_group()
-    if pool is not None:
-        pool.shutdown()
+    rollout.close()
     envs.close()
     writer.close()

@@ -12,7 +12,9 @@
 import contextlib
 import csv
 import difflib
+import math
 import os
+import pickle
 import random
 import re
 import shlex
@@ -21,6 +23,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gymnasium as gym
@@ -87,48 +90,157 @@ def fail(message: str, code: int = 2):
     sys.exit(code)
 
 
-def game_name(env_id: str) -> str:
-    """'Breakout-v5' or 'ALE/Breakout-v5' -> 'Breakout'."""
-    match = re.fullmatch(r"(?:ALE/)?([A-Za-z0-9]+)-v5", env_id)
+def atari_games() -> dict:
+    """Every game ale-py registers as ALE/<Game>-v5: its name without case or underscores
+    ('mspacman') -> (canonical name 'MsPacman', ROM id 'ms_pacman')."""
+    global _GAMES
+    if _GAMES is None:
+        import ale_py
+        from ale_py import roms
+
+        gym.register_envs(ale_py)
+        names = [key[4:-3] for key in gym.envs.registry if key.startswith("ALE/") and key.endswith("-v5")]
+        rom_ids = {rom.replace("_", ""): rom for rom in roms.get_all_rom_ids()}
+        _GAMES = {name.lower(): (name, rom_ids[name.lower()]) for name in names if name.lower() in rom_ids}
+    return _GAMES
+
+
+_GAMES = None
+DEFAULT_ENV_ID = "Breakout-v5"
+
+
+def canonical_env_id(env_id: str) -> str:
+    """'breakout-v5', 'ALE/Breakout-v5', 'Breakout-v5' -> 'Breakout-v5': the one spelling used in
+    run names, checkpoints, evaluation and scores. Unknown games fail, with close matches."""
+    match = re.fullmatch(r"(?:ALE/)?([A-Za-z0-9_]+)-v5", env_id)
     if match is None:
         raise UsageError(f"--env-id {env_id!r}: expected a name like Breakout-v5 or ALE/Breakout-v5")
-    return match.group(1)
+    games = atari_games()
+    key = match.group(1).lower().replace("_", "")
+    if key not in games:
+        names = [name for name, _ in games.values()]
+        close = difflib.get_close_matches(match.group(1), names, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(c + '-v5' for c in close)}?" if close else ""
+        raise UsageError(f"--env-id {env_id!r}: unknown Atari game {match.group(1)!r}{hint}")
+    return f"{games[key][0]}-v5"
+
+
+def game_name(env_id: str) -> str:
+    """'Breakout-v5' or 'ALE/breakout-v5' -> 'Breakout'."""
+    return canonical_env_id(env_id).removesuffix("-v5")
 
 
 def rom_id(env_id: str) -> str:
-    """'MsPacman-v5' -> 'ms_pacman', checked against the ROMs ale-py ships (close matches named)."""
-    from ale_py import roms
+    """'MsPacman-v5' -> 'ms_pacman', the ROM ale-py's vector env loads."""
+    return atari_games()[game_name(env_id).lower()][1]
 
-    name = game_name(env_id)
-    rom = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
-    known = roms.get_all_rom_ids()
-    if rom not in known:
-        camel = {"".join(part.capitalize() for part in r.split("_")): r for r in known}
-        close = difflib.get_close_matches(name, list(camel), n=3, cutoff=0.6)
-        hint = f"; did you mean {', '.join(c + '-v5' for c in close)}?" if close else ""
-        raise UsageError(f"--env-id {env_id!r}: unknown Atari game {name!r}{hint}")
-    return rom
+
+def num_actions(env_id: str) -> int:
+    """The size of the game's minimal action set (what the scripts' envs use), read from the ROM."""
+    from ale_py import ALEInterface, LoggerMode, roms
+
+    ALEInterface.setLoggerMode(LoggerMode.Error)
+    ale = ALEInterface()
+    ale.loadROM(roms.get_rom_path(rom_id(env_id)))
+    return len(ale.getMinimalActionSet())
+
+
+def cli(args_class):
+    """tyro.cli(args_class), with tyro's multi-line error box turned into one line: bad input
+    exits with code 2 and one line on stderr, like every other check here."""
+    import io
+
+    import tyro
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+            return tyro.cli(args_class)
+    except SystemExit as e:
+        text = captured.getvalue()
+        if e.code in (0, None):  # --help
+            print(text, end="")
+            raise
+        lines = [line.strip(" │╭╮╰╯\t") for line in text.splitlines()]
+        lines = [line for line in lines if line.strip("-─") and not line.startswith(("For full helptext", "usage:"))]
+        # the box's title, then its message, then (for a misspelled flag) what was meant
+        message = lines[1] if len(lines) > 1 else (lines[0] if lines else "could not parse the command line")
+        if "Perhaps you meant:" in lines and lines.index("Perhaps you meant:") + 1 < len(lines):
+            message += f"; perhaps you meant {lines[lines.index('Perhaps you meant:') + 1].split()[0]}"
+        fail(f"{message} (see --help)")
 
 
 def resolve_device(spec: str) -> torch.device:
-    """'auto' picks CUDA when present, else CPU; asking for CUDA without it is an error."""
+    """'auto' picks CUDA when present, else CPU; asking for CUDA without it is an error.
+
+    A CUDA device always comes back with its index ('cuda' is the current device), because
+    torch.cuda.set_device, and every thread that launches work, need one."""
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
     if not re.fullmatch(r"cpu|cuda(:\d+)?", spec):
         raise UsageError(f"--device {spec!r}: expected auto, cpu, cuda or cuda:N")
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise UsageError(f"--device {spec}: CUDA is not available on this machine")
-        if device.index is not None and device.index >= torch.cuda.device_count():
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
             raise UsageError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
-def check_positive(**values):
-    for name, value in values.items():
-        if value is None or value <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+# The valid range of every numeric flag (the README's conventions list them too), checked
+# before anything starts: flag -> (what it must be, test).
+RANGES = {
+    "seed": ("an integer in [0, 2**32 - 1]", lambda v: 0 <= v < 2**32),
+    "total_timesteps": ("at least 1", lambda v: v >= 1),
+    "num_envs": ("at least 1", lambda v: v >= 1),
+    "num_steps": ("at least 1", lambda v: v >= 1),
+    "num_minibatches": ("at least 1", lambda v: v >= 1),
+    "update_epochs": ("at least 0", lambda v: v >= 0),
+    "num_gpu_batches": ("at least 1", lambda v: v >= 1),
+    "num_env_threads": ("at least 1 (or unset)", lambda v: v is None or v >= 1),
+    "save_interval": ("at least 1", lambda v: v >= 1),
+    "log_interval": ("at least 1", lambda v: v >= 1),
+    "eval_episodes": ("at least 1", lambda v: v >= 1),
+    "learning_rate": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
+    "gamma": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "gae_lambda": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "clip_coef": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
+    "ent_coef": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
+    "vf_coef": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
+    "max_grad_norm": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
+    "target_kl": ("finite and > 0 (or unset)", lambda v: v is None or (math.isfinite(v) and v > 0)),
+    "rms_alpha": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "rms_eps": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
+}
+
+
+def check_args(args):
+    """The checks every script makes of its flags before anything starts: numeric ranges, the
+    game (its canonical name from here on), the experiment name and the runs directory."""
+    for name, (text, ok) in RANGES.items():
+        if hasattr(args, name) and not ok(getattr(args, name)):
+            raise UsageError(f"--{name.replace('_', '-')} must be {text}, got {getattr(args, name)}")
+    if args.env_id is None and args.eval_checkpoint is None:  # evaluation: the checkpoint's game
+        args.env_id = DEFAULT_ENV_ID
+    if args.env_id is not None:
+        args.env_id = canonical_env_id(args.env_id)
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*", args.exp_name) or ".." in args.exp_name:
+        raise UsageError(f"--exp-name {args.exp_name!r}: a name (letters, digits, _ . + = -), not a path")
+    check_runs_dir(args.runs_dir)
+
+
+def check_runs_dir(runs_dir):
+    """--runs-dir must be a directory, or one that can be made: its nearest existing ancestor
+    is a writable directory."""
+    path = Path(runs_dir).absolute()
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"--runs-dir {str(runs_dir)!r}: {str(existing)!r} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--runs-dir {str(runs_dir)!r}: {str(existing)!r} is not writable")
 
 
 def check_capture_video(capture_video: bool, eval_checkpoint):
@@ -143,15 +255,52 @@ def check_capture_video(capture_video: bool, eval_checkpoint):
         raise UsageError("--capture-video needs moviepy: pip install moviepy")
 
 
-def check_precision(precision: str, device: torch.device):
-    if precision not in ("fp32", "bf16"):
-        raise UsageError(f"--precision {precision!r}: expected fp32 or bf16")
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UsageError(f"--precision bf16: not supported by {torch.cuda.get_device_name(device)}")
+def torchrun_device(device: torch.device) -> torch.device:
+    """Under torchrun, the device of this process: cuda:LOCAL_RANK when running on CUDA (one GPU
+    per process; more processes on this machine than GPUs is refused), else the CPU."""
+    if device.type != "cuda":
+        return device
+    local_world_size, count = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if local_world_size > count:
+        raise UsageError(
+            f"torchrun started {local_world_size} processes on this machine, which has {count} GPU(s): "
+            f"use --nproc-per-node {count}, or --device cpu"
+        )
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def run_name(args) -> str:
-    return f"{game_name(args.env_id)}-v5__{args.exp_name}__{args.seed}__{int(time.time())}"
+def make_run_dir(args) -> Path:
+    """Create this run's directory, runs/{Game}-v5__{exp_name}__{seed}__{unix_time}, never one
+    that exists: a second run started in the same second gets the suffix -2 (then -3, ...), so
+    two runs never write into one directory. The names sort by start time."""
+    name = f"{canonical_env_id(args.env_id)}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    base = Path(args.runs_dir) / name
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, 1000):
+        run_dir = base if attempt == 1 else base.with_name(f"{name}-{attempt}")
+        try:
+            run_dir.mkdir()  # exclusive: fails if another run made it first
+            return run_dir
+        except FileExistsError:
+            continue
+    raise UsageError(f"could not create a new run directory next to {base}")
+
+
+def describe_run(args, device: torch.device, envs: str, precision: str = "fp32", world_size: int = 1) -> str:
+    """The first line of every run: where it runs and what it will do, so that a user who
+    expected a GPU sees at once whether they got one, and how many steps will really run."""
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)} ({device})"
+    else:
+        where = "cpu (no CUDA found)" if not torch.cuda.is_available() else "cpu"
+    if args.eval_checkpoint is not None:
+        what = f"evaluating {args.eval_checkpoint} on {args.env_id} for {args.eval_episodes} games"
+    else:
+        batch = args.batch_size * world_size
+        steps = args.num_iterations * batch
+        iterations = f"{args.num_iterations:,} iteration{'s' if args.num_iterations != 1 else ''}"
+        what = f"{args.env_id}, {iterations} of {batch:,} steps = {steps:,} agent steps"
+    return f"{where}, {precision}, {envs}; {what}"
 
 
 def hyperparameters_text(args) -> str:
@@ -173,6 +322,7 @@ class Progress:
         self.start_step = start_step
         self.start_time = time.time()
         self.recent_returns = deque(maxlen=20)
+        self.rollout_time = 0.0  # seconds spent collecting, added up by the scripts
 
     def sps(self, global_step: int) -> int:
         return int((global_step - self.start_step) / max(time.time() - self.start_time, 1e-9))
@@ -181,9 +331,10 @@ class Progress:
         sps = self.sps(global_step)
         eta = format_duration((self.total_steps - global_step) / max(sps, 1))
         ret = f"{np.mean(self.recent_returns):.1f}" if self.recent_returns else "-"
+        rollout = f" (rollout {int((global_step - self.start_step) / self.rollout_time)})" if self.rollout_time else ""
         return (
             f"iter {iteration}/{num_iterations}  step {global_step:,}/{self.total_steps:,}  "
-            f"SPS: {sps}  ETA {eta}  return {ret} (last {len(self.recent_returns)} games)"
+            f"SPS: {sps}{rollout}  ETA {eta}  return {ret} (last {len(self.recent_returns)} games)"
         )
 
 
@@ -208,60 +359,159 @@ def save_checkpoint(path, state: dict):
         os.close(dir_fd)
 
 
-def load_checkpoint(path, script: str, env_id: str | None = None) -> dict:
-    """Load a checkpoint written by `script`, refusing missing, corrupt or foreign files."""
+# Loading never runs code from the file: torch.load(weights_only=True) builds tensors, numbers,
+# strings, lists, tuples and dicts, and nothing else. A checkpoint is made only of those (the
+# RNG states too, see rng_states). Checkpoints written before this format kept numpy's RNG
+# state as an array; to load those, four numpy globals are allowed, which rebuild a uint32
+# array and nothing else: numpy's _reconstruct, ndarray, dtype and UInt32DType.
+OLD_FORMAT_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+# what every checkpoint holds, and what a resumable one adds: key -> type
+CHECKPOINT_KEYS = {"script": str, "env_id": str, "num_actions": int, "model": dict}
+RESUME_KEYS = {"args": dict, "optimizer": dict, "iteration": int, "global_step": int, "rng": dict}
+
+
+def checkpoint_path(path) -> Path:
+    """A checkpoint file, or a run directory meaning its checkpoint.pt."""
     path = Path(path)
+    return path / "checkpoint.pt" if path.is_dir() else path
+
+
+def load_checkpoint(path, script: str, env_id: str | None = None, make_agent=None, resume=False) -> dict:
+    """Load a checkpoint of `script` without running code from it, and refuse, with one line,
+    anything that is not one: a missing, corrupt or foreign file, another script's or game's,
+    missing keys or wrong types, weights that do not fit make_agent(the game's action count)
+    (the script's network), and with resume=True an optimizer or RNG state that cannot be
+    restored. `path` may be a run directory (its checkpoint.pt)."""
+    path = checkpoint_path(path)
+    name = repr(str(path))
     if not path.is_file():
-        raise UsageError(f"checkpoint {str(path)!r} does not exist")
+        raise UsageError(f"checkpoint {name} does not exist")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(OLD_FORMAT_GLOBALS):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # a global outside plain data names code it would have run; anything else is no pickle
+        found = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", str(e))
+        if found is None:
+            raise UsageError(f"checkpoint {name} is corrupt or unreadable ({type(e).__name__})")
+        what = found.group(1) or found.group(2)
+        raise UsageError(f"checkpoint {name} holds more than plain data ({what}): refused, loading it could run code")
     except Exception as e:  # a truncated or foreign file: say so in one line
-        raise UsageError(f"checkpoint {str(path)!r} is corrupt or unreadable ({type(e).__name__})")
+        raise UsageError(f"checkpoint {name} is corrupt or unreadable ({type(e).__name__})")
     if not isinstance(state, dict) or not {"model", "script", "env_id"} <= state.keys():
-        raise UsageError(f"checkpoint {str(path)!r} was not written by these scripts")
+        raise UsageError(f"checkpoint {name} was not written by these scripts")
     if state["script"] != script:
-        raise UsageError(f"checkpoint {str(path)!r} is from {state['script']}, not {script}")
+        raise UsageError(f"checkpoint {name} is from {state['script']}, not {script}")
     if env_id is not None and game_name(state["env_id"]) != game_name(env_id):
-        raise UsageError(f"checkpoint {str(path)!r} is for {state['env_id']}, not {env_id}")
+        raise UsageError(f"checkpoint {name} is for {state['env_id']}, not {env_id}")
+    for key, kind in (CHECKPOINT_KEYS | (RESUME_KEYS if resume else {})).items():
+        if not isinstance(state.get(key), kind) or (kind is int and isinstance(state[key], bool)):
+            got = "missing" if key not in state else f"a {type(state[key]).__name__}"
+            raise UsageError(f"checkpoint {name} is not a complete checkpoint of {script}: {key!r} is {got}")
+    agent = None
+    if make_agent is not None:
+        actions = num_actions(state["env_id"])
+        if state["num_actions"] != actions:
+            game = game_name(state["env_id"])
+            raise UsageError(f"checkpoint {name} has {state['num_actions']} actions, {game} has {actions}")
+        agent = make_agent(actions)
+        try:
+            agent.load_state_dict(state["model"])
+        except (RuntimeError, TypeError, ValueError, AttributeError) as e:
+            first = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+            game = game_name(state["env_id"])
+            raise UsageError(f"checkpoint {name}: its weights do not fit the network for {game} ({first})")
+    if resume:
+        check_optimizer_state(state["optimizer"], list(agent.parameters()) if agent is not None else None, name)
+        try:  # restore them into throwaway generators: what set_rng_states will do
+            random.Random().setstate(tuple(state["rng"]["python"]))
+            np.random.RandomState().set_state(numpy_rng_state(state["rng"]["numpy"]))
+            torch.Generator().set_state(state["rng"]["torch"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise UsageError(f"checkpoint {name}: its RNG states cannot be restored ({type(e).__name__})")
     return state
 
 
+def check_optimizer_state(optimizer_state: dict, parameters, name):
+    """The optimizer's saved state fits the network: per parameter, every tensor is a scalar or
+    has the parameter's shape (load_state_dict would not notice)."""
+    groups = optimizer_state.get("param_groups")
+    if not isinstance(optimizer_state.get("state"), dict) or not isinstance(groups, list):
+        raise UsageError(f"checkpoint {name}: its optimizer state is not an optimizer's")
+    if parameters is None:
+        return
+    if sum(len(group.get("params", [])) for group in groups) != len(parameters):
+        raise UsageError(f"checkpoint {name}: its optimizer state is for another network")
+    for index, values in optimizer_state["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(parameters) or not isinstance(values, dict):
+            raise UsageError(f"checkpoint {name}: its optimizer state is for another network")
+        for value in values.values():
+            if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != parameters[index].shape:
+                raise UsageError(f"checkpoint {name}: its optimizer state is for another network")
+
+
 def check_resume_args(checkpoint: dict, args, names=("num_envs", "num_steps", "total_timesteps")):
-    """A resumed run keeps what maps iterations to steps and sets the learning-rate schedule."""
+    """A resumed run keeps what maps iterations to steps and sets the learning-rate schedule;
+    a finished run has nothing left to resume."""
     saved = checkpoint.get("args", {})
     for name in names:
         if name in saved and saved[name] != getattr(args, name):
             flag, value = f"--{name.replace('_', '-')}", getattr(args, name)
             raise UsageError(f"{flag} {value} differs from the checkpoint's {saved[name]}: resume with the same value")
+    if checkpoint["iteration"] >= args.num_iterations:
+        steps = checkpoint["global_step"]
+        raise UsageError(f"checkpoint {str(args.resume)!r} ends a finished run ({steps:,} steps): nothing to resume")
 
 
-def rng_states() -> dict:
-    states = {"python": random.getstate(), "numpy": np.random.get_state()}
-    states["torch"] = torch.get_rng_state()
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+def rng_states(device: torch.device) -> dict:
+    """Python's, numpy's, torch's and this device's RNG states, as plain data (numpy's key
+    array as a list of ints), so that the weights-only loader reads them back exactly."""
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    states = {
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), position, has_gauss, cached_gaussian],
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":  # only this run's device: a machine with fewer GPUs can resume it
+        states["cuda"] = torch.cuda.get_rng_state(device)
     return states
 
 
-def set_rng_states(states: dict):
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+def numpy_rng_state(saved):
+    name, keys, *rest = saved
+    return (name, np.asarray(keys, dtype=np.uint32), *rest)
+
+
+def set_rng_states(states: dict, device: torch.device):
+    random.setstate(tuple(states["python"]))
+    np.random.set_state(numpy_rng_state(states["numpy"]))
     torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    cuda = states.get("cuda")
+    if device.type == "cuda" and cuda is not None:
+        if isinstance(cuda, list):  # the old format: one state per visible GPU
+            cuda = cuda[device.index] if device.index < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda, device)
 
 
 class StopSignal:
-    """SIGINT/SIGTERM set a flag that the train loop checks; a second SIGINT stops at once."""
+    """SIGINT/SIGTERM set a flag that the train loop checks. A second SIGINT stops at once, with
+    one line that names the last checkpoint (a checkpoint is always whole: see save_checkpoint)."""
 
-    def __init__(self):
+    def __init__(self, checkpoint_path):
         self.received = None
+        self.checkpoint_path = Path(checkpoint_path)
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum, frame):
         if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            import multiprocessing
+
+            for child in multiprocessing.active_children():  # the baseline's env workers, which
+                child.kill()  # inherited this handler: SIGTERM would only set their flag
+            last = self.checkpoint_path if self.checkpoint_path.is_file() else "none written yet"
+            print(f"stopped at once by a second SIGINT; last checkpoint: {last}", file=sys.stderr, flush=True)
+            os._exit(130)
         self.received = signal.Signals(signum).name
 
     def __bool__(self):
@@ -390,17 +640,20 @@ def report_evaluation(env_id, returns) -> str:
 
 # ----------------------------------------------------------------------------- profiling
 class PhaseTimer:
-    """Wall time per rollout phase for --profile; a free no-op otherwise.
-
-    On CUDA each phase synchronizes so that time lands in the phase that caused it: that
-    changes the overlap being measured, which is why it only runs under --profile. With one
-    worker thread per env batch the phases of different batches overlap; their times add up.
+    """Time per rollout phase for --profile; a free no-op otherwise. It never synchronizes the
+    device: host phases are perf_counter spans of what the host itself does or waits for
+    (waiting for envs, launching a batch-step, waiting for a batch's GPU work on its event);
+    the GPU time of each batch-step comes from a pair of timing events recorded on the batch's
+    stream, read once per iteration after the rollout (the host waits for that anyway).
+    With a worker thread per env batch the phases of different batches overlap and their
+    times add up; with one driver thread they do not.
     """
 
     def __init__(self, enabled: bool, device: torch.device):
         self.enabled = enabled
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.cuda = enabled and device.type == "cuda"
         self.totals = {}
+        self.pending = []  # (start, end) timing events of batch-steps not yet read
         self.lock = threading.Lock()
         self.null = contextlib.nullcontext()
 
@@ -409,18 +662,41 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def _phase(self, name):
-        self.sync()
         start = time.perf_counter()
         yield
-        self.sync()
+        self.add(name, time.perf_counter() - start)
+
+    def add(self, name, seconds):
         with self.lock:
-            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+            self.totals[name] = self.totals.get(name, 0.0) + seconds
+
+    def gpu(self, stream):
+        """Around the device work of one batch-step: GPU time, from events on its stream."""
+        return self._gpu(stream) if self.cuda else self.null
+
+    @contextlib.contextmanager
+    def _gpu(self, stream):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        yield
+        end.record(stream)
+        with self.lock:
+            self.pending.append((start, end))
+
+    def collect(self):
+        """Read the GPU times of the last rollout: call after the host has waited for it."""
+        with self.lock:
+            pending, self.pending = self.pending, []
+        if pending:
+            self.add("GPU: batch-steps", sum(start.elapsed_time(end) for start, end in pending) / 1000)
 
     def table(self) -> str:
-        total = sum(self.totals.values()) or 1.0
-        lines = [f"{'phase':<16}{'seconds':>10}{'share':>8}"]
-        for name, seconds in sorted(self.totals.items(), key=lambda kv: -kv[1]):
-            lines.append(f"{name:<16}{seconds:>10.3f}{seconds / total:>8.1%}")
+        host = {k: v for k, v in self.totals.items() if not k.startswith("GPU")}
+        total = sum(host.values()) or 1.0
+        lines = [f"{'phase':<22}{'seconds':>10}{'share':>8}"]
+        for name, seconds in sorted(self.totals.items(), key=lambda kv: (kv[0].startswith("GPU"), -kv[1])):
+            share = f"{seconds / total:>8.1%}" if name in host else f"{'':>8}"
+            lines.append(f"{name:<22}{seconds:>10.3f}{share}")
         return "\n".join(lines)
 
 
@@ -451,8 +727,9 @@ def seeded_reset(envs, seed):
     seed, so their first draws agree: the first game's FIRE frame was dropped exactly when its
     noop count was small (seen here, Breakout: no ball served iff at most 7 frames before the
     first observation). A second reset, unseeded, draws both from unrelated positions.
+    Env i gets seed + i, wrapped into ale-py's range (a C int: below 2**31).
     """
-    envs.reset(seed=seed)
+    envs.reset(seed=(seed + np.arange(envs.num_envs)) % 2**31)
     return envs.reset()
 
 
@@ -468,7 +745,9 @@ class ThreadedAtariEnvs:
     With serial=True (for debugging) send() steps the batch to completion before returning.
     """
 
-    def __init__(self, env_id, num_envs, num_batches, num_threads, seed, life_loss_terminal=True, serial=False):
+    def __init__(
+        self, env_id, num_envs, num_batches, num_threads, seed, life_loss_terminal=True, serial=False, first_core=None
+    ):
         from ale_py.vector_env import AtariVectorEnv
 
         assert num_envs % num_batches == 0
@@ -476,18 +755,20 @@ class ThreadedAtariEnvs:
         self.batch_size = num_envs // num_batches
         self.slices = [slice(b * self.batch_size, (b + 1) * self.batch_size) for b in range(num_batches)]
         self.life_loss_terminal = life_loss_terminal
-        # each batch gets the threads it can use; all batches share the machine's cores
-        threads = max(1, min(num_threads, self.batch_size))
+        # num_threads in all, split evenly: at least one per batch, at most one per env; with
+        # first_core, batch b's threads are pinned to their own cores from first_core on
+        self.threads_per_batch = max(1, min(num_threads // num_batches, self.batch_size))
         self.envs = [
             AtariVectorEnv(
                 rom_id(env_id),
                 self.batch_size,
                 **ALE_V5,
-                num_threads=threads,
+                num_threads=self.threads_per_batch,
+                thread_affinity_offset=-1 if first_core is None else first_core + b * self.threads_per_batch,
                 stack_num=1,
                 life_loss_info=life_loss_terminal,
             )
-            for _ in range(num_batches)
+            for b in range(num_batches)
         ]
         self.num_actions = int(self.envs[0].single_action_space.n)
         self.seed = seed
@@ -558,7 +839,35 @@ class ThreadedAtariEnvs:
             env.close()
 
 
+def env_threads(requested, device, num_batches, batch_size, local_rank=0, local_world_size=1):
+    """(C++ env threads in all, first core to pin them from or None) for one process.
+
+    On CUDA the default is this process's share of the cores but one, which its driver thread
+    keeps (under torchrun the cores are shared by the processes on the machine), and the
+    threads are pinned to disjoint cores when the process may use every core of the machine.
+    On CPU the default gives each batch min(cores, its size) threads, unpinned: inference runs
+    on the same cores, and this was measured fastest on 2 cores (1 or 3 threads per batch were
+    not faster)."""
+    cores = len(os.sched_getaffinity(0))
+    share = max(1, cores // local_world_size)
+    if requested is None:
+        requested = max(num_batches, share - 1) if device.type == "cuda" else num_batches * min(cores, batch_size)
+    whole_machine = os.sched_getaffinity(0) == set(range(os.cpu_count() or 1))
+    per_batch = max(1, min(requested // num_batches, batch_size))
+    pinned = device.type == "cuda" and whole_machine and per_batch * num_batches <= share - 1
+    return requested, (local_rank * share if pinned else None)
+
+
 # ----------------------------------------------------------------------------- GPU batching
+# Stream and event rules of the rollout (every line below that touches CUDA follows them):
+# - each env batch has its own stream from PyTorch's pool; those streams do not wait for the
+#   default stream by themselves, so before a rollout each waits for it (fork_streams: the
+#   refreshed weights, the uniforms, the last update), and after it the default stream waits
+#   for each (join_streams: the storage they wrote);
+# - a pinned host buffer is written by the host only after the copy that last read or filled
+#   it is done: one event per env batch, recorded after its step's last copy, which the host
+#   waits on before it reads the actions or stages the next frames; one event after the copy
+#   of the rewards and terminals to the device, waited on before the next rollout writes them.
 def new_stream(device: torch.device):
     """A CUDA stream for one env batch; None on CPU, where streams are no-ops."""
     return torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -568,42 +877,250 @@ def on_stream(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+def fork_streams(streams):
+    """Each stream waits for the current (default) stream's work so far; no host sync."""
+    for stream in streams:
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+
+
+def join_streams(streams):
+    """The current (default) stream waits for each stream's work so far; no host sync."""
+    for stream in streams:
+        if stream is not None:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+
+def new_event(device: torch.device):
+    """An event the host waits on by sleeping (blocking sync), not by spinning a core that the
+    env threads need; None on CPU, where work is done when the call returns."""
+    return torch.cuda.Event(blocking=True) if device.type == "cuda" else None
+
+
+def record(event, stream=None):
+    if event is not None:
+        event.record(stream)
+
+
+def wait(event):
+    if event is not None:
+        event.synchronize()
+
+
 def host_buffer(shape, dtype, device: torch.device) -> torch.Tensor:
     """Page-locked host memory when a GPU is used, so copies can be asynchronous."""
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
-class DeviceFrameStack:
-    """The 4-frame stacks of one env batch, kept in the device rollout storage.
+def warm_up(step, num_steps, num_batches, streams):
+    """Run step(t, b) once for every step and batch, on the main thread, before any worker
+    thread or CUDA graph capture: Triton compiles each kernel specialization at its first
+    launch (not thread-safe, and the storage views' alignment differs with t and b, so there
+    are several) and cuDNN picks its algorithms. What it writes is overwritten later."""
+    for b, stream in enumerate(streams):
+        with on_stream(stream):
+            for t in range(num_steps):
+                step(t, b)
+    torch.cuda.synchronize()
 
-    `obs_views[t]` is this batch's uint8 [batch, 4, 84, 84] slice of obs[t]; all the views
-    the rollout needs are made here once, so stepping makes no new tensors. Per step exactly
-    one uint8 84x84 frame per env crosses host to device, asynchronously from pinned memory.
-    Games that just ended restart with zeros in the older slots, as ale-py's stack_num=4
-    does; the host knows which games ended, so no flag has to cross to the device.
+
+def cuda_graphs(step, num_steps, num_batches, streams):
+    """A CUDA graph of step(t, b) for every step and batch, and a function that replays the
+    one for (t, b) on the current stream: one launch for the host instead of one per kernel.
+
+    step(t, b) touches the same addresses every time it runs (views of the rollout storage,
+    fixed buffers), so replaying the graph is running it. The graphs of one batch share a
+    memory pool for the convolutions' outputs: they are replayed one after another on the
+    batch's stream, never two at once. Captured on a side stream after a warm_up.
+    """
+    graphs = [[None] * num_batches for _ in range(num_steps)]
+    capture_stream = torch.cuda.Stream(streams[0].device)
+    torch.cuda.synchronize()
+    for b in range(num_batches):
+        pool = torch.cuda.graph_pool_handle()
+        for t in range(num_steps):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(capture_stream):  # (torch.cuda.graph() would collect garbage per graph)
+                graph.capture_begin(pool=pool)
+                step(t, b)
+                graph.capture_end()
+            graphs[t][b] = graph
+    torch.cuda.synchronize()
+    return lambda t, b: graphs[t][b].replay()
+
+
+def drive(rollouts, mode, pool=None):
+    """Run every env batch's rollout generator to its end; returns what each one returned.
+
+    A rollout generator pauses (yields) where its batch waits for the GPU or for its envs.
+    mode "single": one thread resumes the batches in turn, so while one batch waits, the
+    driver serves the others. "threads": each runs through in a worker thread of `pool`.
+    "sequential": one after another, for debugging.
+    """
+    if mode == "threads":
+        return list(pool.map(run_through, rollouts))
+    if mode == "sequential":
+        return [run_through(rollout) for rollout in rollouts]
+    results, live = [None] * len(rollouts), list(enumerate(rollouts))
+    while live:
+        for item in list(live):
+            try:
+                next(item[1])
+            except StopIteration as done:
+                results[item[0]] = done.value
+                live.remove(item)
+    return results
+
+
+def run_through(generator):
+    while True:
+        try:
+            next(generator)
+        except StopIteration as done:
+            return done.value
+
+
+class BatchedRollout:
+    """The native scripts' rollout, written once: the envs' batches (envs.slices) stepped by
+    their C++ threads while the device works on other batches, each batch with its own
+    stream, buffers and pinned host buffers, writing straight into the scripts' storage.
+
+    storage (the script's; step T is the one after the horizon: its stacks start the next
+    rollout, its values bootstrap): obs (T+1, N, 4, 84, 84) uint8, and uniforms, actions,
+    logprobs, values (T+1, N) on the device; rewards_host (T, N) and dones_host (T+1, N) numpy
+    views of pinned buffers, filled as the envs return them. weights: the policy's own copies
+    (kernels.inference_weights), which the script refreshes before each rollout. driver:
+    "single", "threads" or "sequential" (see drive). graphs: replay each (step, batch) from a
+    CUDA graph. Follows the stream and event rules above.
     """
 
-    def __init__(self, obs_views, device, stream):
-        self.obs = obs_views
-        self.older_src = [o[:, 1:] for o in obs_views]
-        self.older_dst = [o[:, : STACK - 1] for o in obs_views]
-        self.newest = [o[:, STACK - 1] for o in obs_views]
-        self.staging = host_buffer((obs_views[0].shape[0], *FRAME_SHAPE), torch.uint8, device)
-        self.staging_np = self.staging.numpy()
-        self.stream = stream
+    def __init__(self, envs, weights, obs, uniforms, actions, logprobs, values, rewards_host, dones_host,
+                 driver, graphs, timer):  # fmt: skip
+        import kernels  # here, not at the top: the baseline imports utils and needs no Triton
 
-    def push(self, t, frames, ended=()):
-        """obs[t] = obs[t-1] shifted by one frame, plus the new frames [batch, 84, 84]."""
-        np.copyto(self.staging_np, frames)
-        with on_stream(self.stream):
-            self.older_dst[t].copy_(self.older_src[t - 1])
-            self.newest[t].copy_(self.staging, non_blocking=True)
-            for i in ended:
-                self.obs[t][i, : STACK - 1].zero_()
+        self.kernels = kernels
+        self.envs, self.driver, self.timer = envs, driver, timer
+        self.rewards_host, self.dones_host = rewards_host, dones_host
+        self.device, T = obs.device, obs.shape[0] - 1
+        self.T, self.obs, self.slices, num_batches = T, obs, envs.slices, len(envs.slices)
+        batch, dtype = envs.batch_size, weights.fc_weight.dtype
+        # per env batch: a stream, device buffers, pinned buffers for its new frames and its
+        # actions, and an event after its step's last copy, which the host waits on before it
+        # reads the actions or stages the next frames
+        self.streams = [new_stream(self.device) for _ in range(num_batches)]
+        self.buffers = [kernels.inference_buffers(batch, envs.num_actions, dtype, self.device) for _ in self.slices]
+        self.staging = [host_buffer((batch, kernels.STAGED_ROW), torch.uint8, self.device) for _ in self.slices]
+        self.actions_host = [host_buffer((batch,), torch.long, self.device) for _ in self.slices]
+        self.staging_np = [staging.numpy() for staging in self.staging]
+        self.actions_host_np = [actions_host.numpy() for actions_host in self.actions_host]
+        self.step_done = [new_event(self.device) for _ in self.slices]
+        # every view of the storage that batch b's step t touches, made once: the stacks before
+        # it (at t = 0 they come over unchanged from the step after the last horizon, obs[T]),
+        # its stacks, uniforms, actions, log-probs and values
+        self.step_views = [
+            [(obs[t - 1 if t > 0 else T, sl], obs[t, sl], uniforms[t, sl], actions[t, sl], logprobs[t, sl],
+              values[t, sl]) for sl in self.slices]
+            for t in range(T + 1)
+        ]  # fmt: skip
 
-    def start(self, t, frames):
-        """obs[t] = first frames of new games: older slots zero."""
-        np.copyto(self.staging_np, frames)
-        with on_stream(self.stream):
-            self.older_dst[t].zero_()
-            self.newest[t].copy_(self.staging, non_blocking=True)
+        def policy(t, b):
+            """Batch b's step t on the device, straight into the storage."""
+            kernels.policy_step(weights, self.buffers[b], *self.step_views[t][b], shift=t > 0)
+
+        if self.device.type == "cuda":  # every first launch now, on this thread, before any worker or capture
+            warm_up(policy, T + 1, num_batches, self.streams)
+        self.policy = cuda_graphs(policy, T + 1, num_batches, self.streams) if graphs else policy
+        self.pool = ThreadPoolExecutor(num_batches, thread_name_prefix="env-batch") if driver == "threads" else None
+
+    def start(self):
+        """Start the games: the first frames go to the slot after the horizon, obs[T], which
+        each rollout moves to step 0; every game just began, so the older frames are zeros."""
+        kernels = self.kernels
+        for b, frames in enumerate(np.split(self.envs.reset(), len(self.slices))):
+            with on_stream(self.streams[b]):
+                kernels.stage_frames(self.staging_np[b], frames, ended=slice(None))
+                self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
+                prev, out = self.obs[self.T - 1, self.slices[b]], self.obs[self.T, self.slices[b]]
+                kernels.push_frames(prev, self.buffers[b].staged, out, self.buffers[b].x)
+                record(self.step_done[b], self.streams[b])  # staging[b] is written again after it
+        join_streams(self.streams)
+        self.dones_host[self.T] = 0
+
+    def collect(self, should_stop):
+        """One rollout of T steps into the storage. Each batch's stream waits for the default
+        stream first (the refreshed weights, the uniforms, the last update); the default stream
+        waits for every batch's after. Returns False, with the rollout abandoned, if
+        should_stop() came true."""
+        self.dones_host[0] = self.dones_host[self.T]
+        fork_streams(self.streams)
+        rollouts = [self.rollout_batch(b, should_stop) for b in range(len(self.slices))]
+        completed = drive(rollouts, self.driver, self.pool)
+        join_streams(self.streams)
+        return min(completed) > self.T
+
+    def launch(self, t, b, frames=None, ended=()):
+        """Batch b's step t: its new frames to the device (none at t = 0), the policy, the
+        actions back to the host, and step_done[b] after them, all queued on its stream."""
+        kernels = self.kernels
+        with on_stream(self.streams[b]), self.timer("launch"):
+            if frames is not None:
+                kernels.stage_frames(self.staging_np[b], frames, ended)
+                self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
+            with self.timer.gpu(self.streams[b]):
+                self.policy(t, b)
+            self.actions_host[b].copy_(self.step_views[t][b][3], non_blocking=True)
+            record(self.step_done[b], self.streams[b])
+
+    def rollout_batch(self, b, should_stop):
+        """Env batch b through the horizon, as a generator: it pauses (yield) while its policy
+        runs on the device and while its envs step, so that one driver thread can serve every
+        batch in turn (drive); a worker thread runs it straight through. Returns the steps
+        done: fewer when a stop came."""
+        sl = self.slices[b]
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread
+        for step in range(self.T + 1):
+            if should_stop():
+                return step
+            if step == 0:
+                self.launch(0, b)
+            else:
+                with self.timer("env wait"):
+                    frames, ended = self.envs.recv(b, self.rewards_host[step - 1, sl], self.dones_host[step, sl])
+                self.launch(step, b, frames, ended)
+            yield
+            with self.timer("GPU wait"):
+                wait(self.step_done[b])
+            if step < self.T:  # the step after the horizon only gives the bootstrap value
+                self.envs.send(b, self.actions_host_np[b])
+                yield
+        return self.T + 1
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 arithmetic on this CPU (AVX-512 BF16 or AMX), read from /proc/cpuinfo."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """auto -> bf16 where the hardware has it (CUDA sm_80 and newer; CPUs with AVX-512 BF16 or
+    AMX), fp32 elsewhere; an explicit bf16 is refused on a GPU without it."""
+    if precision not in ("auto", "fp32", "bf16"):
+        raise UsageError(f"--precision {precision!r}: expected auto, fp32 or bf16")
+    if device.type == "cuda":
+        has_bf16 = torch.cuda.get_device_capability(device) >= (8, 0)
+        if precision == "bf16" and not has_bf16:
+            raise UsageError(f"--precision bf16: not supported by {torch.cuda.get_device_name(device)}")
+    else:
+        has_bf16 = cpu_has_bf16()
+    if precision == "auto":
+        return "bf16" if has_bf16 else "fp32"
+    return precision

@@ -1,19 +1,19 @@
-"""Round-robin in one thread vs one worker thread per env batch, for the native rollout.
+"""One driver thread against a worker thread per env batch, for the native rollout.
 
-Both modes run the native script's per-batch step (device frame stack, fused inference,
-sampling, actions to the host) on utils.ThreadedAtariEnvs with real Breakout envs; only
-who drives the batches differs:
-- round-robin: one Python thread visits batch 0, 1, ..., B-1 each step; while it runs
-  inference for batch b, the C++ threads step the other batches' envs.
-- threads: batch b has its own Python thread doing recv, inference, send for all steps;
-  torch ops and ale-py's recv release the GIL, so threads can overlap.
-Interleaved rounds, medians. Run: python benchmarks/batch_workers.py [--num-envs 16 --steps 200]
+Runs ppo_atari_native.py as a user would, rollout only (--update-epochs 0), with
+--driver single (one thread resumes the batches in turn: while one batch's policy runs or its
+envs step, it serves the others) and --driver threads (each batch runs in a thread of its own),
+for each --num-gpu-batches, in rounds of a new seeded order, on this machine's device (CPU
+here; on a GPU machine the same command measures the GPU). Reports the rollout's steps/s
+(progress line's rollout figure) and threads / single per round, median over rounds.
+Run: python benchmarks/batch_workers.py [--rounds 3] [--num-envs 16] [--batches 2 4 8]
 """
 
 import argparse
 import os
+import platform
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,71 +21,41 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from rollout_profile import native_setup  # noqa: E402
-
-import utils  # noqa: E402
-
-
-def rollout(mode, num_envs, num_batches, steps, env_threads, seed=0):
-    torch.set_num_threads(1)  # as the native scripts do during the rollout on CPU
-    envs = utils.ThreadedAtariEnvs("Breakout-v5", num_envs, num_batches, env_threads, seed)
-    batch = envs.batch_size
-    setups = [native_setup(batch, envs.num_actions, steps=steps + 1, seed=b) for b in range(num_batches)]
-    rewards = np.zeros((steps + 1, num_envs), np.float32)
-    dones = np.zeros((steps + 1, num_envs), np.float32)
-    for b, frames in enumerate(np.split(envs.reset(), num_batches)):
-        setups[b][1].start(0, frames)
-
-    def drive(b, t):
-        sl = envs.slices[b]
-        frames, ended = (None, ()) if t == 0 else envs.recv(b, rewards[t - 1, sl], dones[t, sl])
-        actions = setups[b][0](t, frames, ended)
-        envs.send(b, actions.numpy())
-
-    start = time.perf_counter()
-    if mode == "round-robin":
-        for t in range(steps):
-            for b in range(num_batches):
-                drive(b, t)
-    else:
-        workers = [threading.Thread(target=lambda b=b: [drive(b, t) for t in range(steps)]) for b in range(num_batches)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    for b in range(num_batches):  # collect the last step's results
-        envs.recv(b, rewards[steps - 1, envs.slices[b]], dones[steps, envs.slices[b]])
-    elapsed = time.perf_counter() - start
-    envs.close()
-    return steps * num_envs / elapsed
+from gpu_sweep import run  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-envs", type=int, default=16)
     parser.add_argument("--batches", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--env-threads", type=int, default=os.cpu_count())
+    parser.add_argument("--iterations", type=int, default=8, help="iterations of 128 steps per run")
     args = parser.parse_args()
-    results = {}
-    for r in range(args.rounds):
-        for b in args.batches:
-            for mode in ("round-robin", "threads"):
-                sps = rollout(mode, args.num_envs, b, args.steps, args.env_threads, seed=r)
-                results.setdefault((b, mode), []).append(sps)
-                print(f"round {r + 1} B={b} {mode}: {sps:,.0f}", file=sys.stderr, flush=True)
+    runs = [(batches, driver) for batches in args.batches for driver in ("single", "threads")]
+    results = {run_: [] for run_ in runs}
+    order = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as runs_dir:
+        for r in range(args.rounds):
+            for i in order.permutation(len(runs)):
+                batches, driver = runs[i]
+                extra = ["--num-envs", args.num_envs, "--num-gpu-batches", batches, "--driver", driver]
+                extra += ["--update-epochs", "0"]
+                _, rollout = run("ppo_atari_native.py", extra, args.iterations * args.num_envs * 128, runs_dir)
+                results[runs[i]].append(rollout)
+                print(f"round {r + 1}: {batches} batches, {driver}: {rollout:,} steps/s", file=sys.stderr, flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     print(
-        f"Native rollout (inference + env, no training), Breakout-v5, {args.num_envs} envs, "
-        f"{args.env_threads} env threads per batch, {os.cpu_count()} cores, CPU, {time.strftime('%Y-%m-%d')}\n"
+        f"native rollout only, Breakout-v5, {args.num_envs} envs, {args.rounds} rounds in shuffled order, "
+        f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}), {device}, "
+        f"{time.strftime('%Y-%m-%d')}\n"
     )
-    print("| num-gpu-batches | round-robin steps/s | thread per batch steps/s | threads / round-robin |")
+    print("| num-gpu-batches | single driver steps/s (median) | thread per batch steps/s (median) | threads / single |")
     print("|---|---|---|---|")
-    for b in args.batches:
-        rr, th = np.median(results[(b, "round-robin")]), np.median(results[(b, "threads")])
-        print(f"| {b} | {rr:,.0f} | {th:,.0f} | {th / rr:.2f}x |")
+    for batches in args.batches:
+        single, threads = np.array(results[(batches, "single")]), np.array(results[(batches, "threads")])
+        print(
+            f"| {batches} | {np.median(single):,.0f} | {np.median(threads):,.0f} | {np.median(threads / single):.2f}x |"
+        )
 
 
 if __name__ == "__main__":

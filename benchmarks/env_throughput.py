@@ -32,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import kernels  # noqa: E402
 import utils  # noqa: E402
 
 WARMUP = 20  # untimed vector steps first: thread start-up, first resets
@@ -43,11 +44,20 @@ def run_utils(env_id, num_envs, threads, steps, seed=0, num_batches=1):
     each stepping its batch and pushing its frames; the C++ threads are split between the
     batches, so the total equals the other engines' (`threads`)."""
     torch.set_num_threads(1)  # as the native scripts do during the rollout on CPU
-    envs = utils.ThreadedAtariEnvs(env_id, num_envs, num_batches, max(1, threads // num_batches), seed)
+    envs = utils.ThreadedAtariEnvs(env_id, num_envs, num_batches, threads, seed)
     obs = torch.zeros((2, num_envs, 4, 84, 84), dtype=torch.uint8)
-    stacks = [utils.DeviceFrameStack([obs[0, sl], obs[1, sl]], torch.device("cpu"), None) for sl in envs.slices]
-    for stack, frames in zip(stacks, np.split(envs.reset(), num_batches), strict=True):
-        stack.start(0, frames)
+    batch = num_envs // num_batches
+    staged = [torch.empty((batch, kernels.STAGED_ROW), dtype=torch.uint8) for _ in range(num_batches)]
+    x = [torch.empty((batch, 4, 84, 84)).contiguous(memory_format=torch.channels_last) for _ in range(num_batches)]
+
+    def push(b, t, frames, ended):
+        """the frames onto the stacks in obs[t], from obs[1 - t], as the native scripts push them"""
+        sl = envs.slices[b]
+        kernels.stage_frames(staged[b].numpy(), frames, ended)
+        kernels.push_frames(obs[1 - t, sl], staged[b], obs[t, sl], x[b])
+
+    for b, frames in enumerate(np.split(envs.reset(), num_batches)):
+        push(b, 0, frames, slice(None))
     rewards, dones = np.zeros(num_envs, np.float32), np.zeros(num_envs, np.float32)
     actions = np.random.default_rng(seed).integers(envs.num_actions, size=(steps + WARMUP, num_envs))
     barrier = threading.Barrier(num_batches + 1)  # the clock starts when every batch is warm
@@ -59,7 +69,7 @@ def run_utils(env_id, num_envs, threads, steps, seed=0, num_batches=1):
                 barrier.wait()
             envs.send(b, actions[t, sl])
             frames, ended = envs.recv(b, rewards[sl], dones[sl])
-            stacks[b].push(1 - t % 2, frames, ended)  # alternate the two slots, as the rollout does
+            push(b, 1 - t % 2, frames, ended)  # alternate the two slots
 
     with ThreadPoolExecutor(num_batches) as pool:
         done = [pool.submit(batch_loop, b) for b in range(num_batches)]

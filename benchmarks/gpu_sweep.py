@@ -1,12 +1,23 @@
-"""Native PPO's steps/s on a GPU over --num-gpu-batches x --num-envs.
+"""Native PPO's steps/s on a GPU over num-envs x num-gpu-batches, against the envs' own ceiling.
 
-Rollout only (`--update-epochs 0`) and end to end, for num-gpu-batches {1, 2, 4, 8, 12}
-(where they divide num-envs) x num-envs {64, 256, 1024}. Without CUDA it says so and exits 0.
-Run: python benchmarks/gpu_sweep.py [--iterations 6] [--env-threads N]
+For num-envs {16, 64, 128, 256, 512} x num-gpu-batches {1, 2, 4, 8} (where they divide), one
+run of ppo_atari_native.py per cell (Breakout-v5, the script's defaults otherwise: one driver
+thread, CUDA graphs, bf16 where the GPU has it, env threads = cores - 1) gives:
+- end to end: steps/s between its first and last progress line (the first iteration, with the
+  start-up, left out);
+- rollout only: the progress line's rollout figure (steps over the time spent collecting);
+and for each num-envs the env-only steps/s of the same envs with the same threads (utils'
+engine as benchmarks/env_throughput.py runs it: ale-py stepping and the frame push, no
+network), the ceiling a rollout can reach, with the rollout's share of it.
+--quick: 16 and 64 envs x 1 and 8 batches (the GPU test tier runs it). Cells not started
+within --time-limit seconds are reported as not run. Without CUDA it says so and exits 0.
+Run: python benchmarks/gpu_sweep.py [--quick] [--iterations 3] [--time-limit 450] [--out FILE.md]
 """
 
 import argparse
 import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -14,44 +25,94 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from sps import measure  # noqa: E402
+NUM_ENVS = [16, 64, 128, 256, 512]
+BATCHES = [1, 2, 4, 8]
+QUICK = ([16, 64], [1, 8])
+PROGRESS = re.compile(r"step ([\d,]+)/[\d,]+  SPS: (\d+)(?: \(rollout (\d+)\))?")
 
-BATCHES = [1, 2, 4, 8, 12]
-NUM_ENVS = [64, 256, 1024]
+
+def run(script, extra, budget, runs_dir):
+    """(end-to-end steps/s, rollout-only steps/s) of one run of `script`: end to end between its
+    first and last progress line, rollout from the last line's rollout figure."""
+    command = [sys.executable, str(ROOT / script), *map(str, extra), "--total-timesteps", str(budget)]
+    command += ["--runs-dir", runs_dir]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    marks = []
+    for line in process.stdout:
+        match = PROGRESS.search(line)
+        if match:
+            marks.append((int(match.group(1).replace(",", "")), time.perf_counter(), int(match.group(3) or 0)))
+    if process.wait() != 0 or len(marks) < 2:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{process.stderr.read()[-2000:]}")
+    (step0, t0, _), (step1, t1, rollout) = marks[0], marks[-1]
+    return (step1 - step0) / (t1 - t0), rollout
+
+
+def run_cell(num_envs, batches, iterations, runs_dir):
+    extra = ["--num-envs", num_envs, "--num-gpu-batches", batches]
+    return run("ppo_atari_native.py", extra, iterations * num_envs * 128, runs_dir)
+
+
+def env_ceiling(num_envs, threads, steps=300):
+    """Env-only steps/s of num_envs Breakout envs on `threads` C++ threads (utils' engine)."""
+    import env_throughput
+
+    return env_throughput.run_utils("Breakout-v5", num_envs, threads, steps)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=6, help="iterations per measurement")
-    parser.add_argument("--env-threads", type=int, default=os.cpu_count())
-    parser.add_argument("--modes", nargs="+", default=["rollout-only", "end-to-end"])
+    parser.add_argument("--quick", action="store_true", help="16 and 64 envs x 1 and 8 batches")
+    parser.add_argument("--iterations", type=int, default=3, help="iterations per run (the first is not timed)")
+    parser.add_argument("--time-limit", type=float, default=450, help="seconds; later cells are not run")
+    parser.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_sweep: CUDA is not available on this machine; nothing measured.")
         return
-
-    print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d')}\n")
-    for mode in args.modes:
-        print(f"{mode}: steps/s by num-gpu-batches (columns) and num-envs (rows)\n")
-        print("| num-envs | " + " | ".join(str(b) for b in BATCHES) + " |")
-        print("|---|" + "---|" * len(BATCHES))
-        with tempfile.TemporaryDirectory() as runs_dir:
-            for num_envs in NUM_ENVS:
-                cells = []
-                for batches in BATCHES:
-                    if num_envs % batches:
-                        cells.append("-")
-                        continue
-                    extra = ["--num-envs", str(num_envs), "--num-gpu-batches", str(batches)]
-                    extra += ["--num-env-threads", str(args.env_threads), "--device", "cuda"]
-                    if mode == "rollout-only":
-                        extra += ["--update-epochs", "0"]
-                    budget = args.iterations * num_envs * 128
-                    cells.append(f"{measure('ppo_atari_native.py', extra, budget, runs_dir):,.0f}")
-                print(f"| {num_envs} | " + " | ".join(cells) + " |", flush=True)
-        print()
+    envs_list, batches_list = QUICK if args.quick else (NUM_ENVS, BATCHES)
+    threads = max(1, len(os.sched_getaffinity(0)) - 1)  # the native script's default on CUDA
+    start = time.perf_counter()
+    lines = [
+        f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}; Breakout-v5, native defaults, {args.iterations} iterations per run\n",
+        "| num-envs | env-only steps/s | num-gpu-batches | end-to-end steps/s | rollout-only steps/s "
+        "| rollout / env-only |",
+        "|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    with tempfile.TemporaryDirectory() as runs_dir:
+        for num_envs in envs_list:
+            if time.perf_counter() - start > args.time_limit:
+                lines.append(f"| {num_envs} | not run (time limit) | | | | |")
+                print(lines[-1], flush=True)
+                continue
+            ceiling = env_ceiling(num_envs, threads)
+            for batches in batches_list:
+                if num_envs % batches or num_envs // batches < 1:
+                    continue
+                if time.perf_counter() - start > args.time_limit:
+                    row = f"| {num_envs} | {ceiling:,.0f} | {batches} | not run (time limit) | | |"
+                else:
+                    try:
+                        end_to_end, rollout = run_cell(num_envs, batches, args.iterations, runs_dir)
+                        row = (
+                            f"| {num_envs} | {ceiling:,.0f} | {batches} | {end_to_end:,.0f} | {rollout:,} "
+                            f"| {rollout / ceiling:.0%} |"
+                        )
+                    except RuntimeError as e:
+                        row = f"| {num_envs} | {ceiling:,.0f} | {batches} | failed | | |"
+                        print(str(e), file=sys.stderr)
+                lines.append(row)
+                print(row, flush=True)
+    lines.append(f"\n{time.perf_counter() - start:.0f} s in all")
+    print(lines[-1])
+    if args.out:
+        Path(args.out).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

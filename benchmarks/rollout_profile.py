@@ -57,31 +57,37 @@ class CountOps(TorchDispatchMode):
 
 
 def native_setup(batch, num_actions=4, steps=64, dtype=torch.float32, seed=0):
-    """The native script's storage and per-batch buffers for one env batch on the CPU, plus
-    `step(t, frames, ended)`: exactly the device work the script does per batch and step."""
+    """The native scripts' storage and buffers for one env batch on the CPU, plus `start(frames)`
+    and `step(t, frames, ended)`: exactly the device work of the scripts' `launch` (the new
+    frames staged and copied, kernels.policy_step into the storage, the actions to the host)."""
     device = torch.device("cpu")
     torch.manual_seed(seed)
     agent = native.Agent(num_actions).to(memory_format=torch.channels_last)
-    weights = native.inference_weights(agent, dtype)
+    weights = kernels.inference_weights(agent, dtype)
     obs = torch.zeros((steps + 1, batch, 4, 84, 84), dtype=torch.uint8)
     actions = torch.zeros((steps + 1, batch), dtype=torch.long)
     logprobs, values, uniforms = (torch.zeros((steps + 1, batch)) for _ in range(3))
     torch.rand(uniforms.shape, out=uniforms)
-    stack = utils.DeviceFrameStack([obs[t] for t in range(steps + 1)], device, None)
-    buf = native.inference_buffers(batch, num_actions, dtype, device)
-    views = [(obs[t], uniforms[t], actions[t], logprobs[t], values[t]) for t in range(steps + 1)]
+    buf = kernels.inference_buffers(batch, num_actions, dtype, device)
+    staging = utils.host_buffer((batch, kernels.STAGED_ROW), torch.uint8, device)
+    staging_np = staging.numpy()
     actions_host = utils.host_buffer((batch,), torch.long, device)
+    views = [(obs[t - 1], obs[t], uniforms[t], actions[t], logprobs[t], values[t]) for t in range(steps + 1)]
 
-    def step(t, frames, ended=(), sample=None):
-        obs_t, uniform_t, action_t, logprob_t, value_t = views[t]
-        if frames is not None:  # None: obs[t] is already in place
-            stack.push(t, frames, ended)
-        native.policy_forward(weights, buf, obs_t, value_t)
-        (sample or kernels.sample_logits)(buf.logits, uniform_t, action_t, logprob_t, buf.entropy)
-        actions_host.copy_(action_t, non_blocking=True)
+    def start(frames):
+        """obs[0]: the first frames of new games, older slots zero."""
+        kernels.stage_frames(staging_np, frames, slice(None))
+        buf.staged.copy_(staging, non_blocking=True)
+        kernels.push_frames(obs[1], buf.staged, obs[0], buf.x)
+
+    def step(t, frames, ended=()):
+        kernels.stage_frames(staging_np, frames, ended)
+        buf.staged.copy_(staging, non_blocking=True)
+        kernels.policy_step(weights, buf, *views[t])
+        actions_host.copy_(views[t][3], non_blocking=True)
         return actions_host
 
-    return step, stack
+    return start, step
 
 
 def real_frames(batch, steps, seed=0):
@@ -94,24 +100,29 @@ def real_frames(batch, steps, seed=0):
         envs.send(0, rng.integers(envs.num_actions, size=batch))
         f, e = envs.recv(0, rewards, dones)
         frames.append(f.copy())
-        ended.append(tuple(e))
+        ended.append(e.copy())
     envs.close()
     return frames, ended
 
 
+FUSED = ("push_frames", "linear_gelu", "policy_value_heads", "sample_logits")
+
+
 def count_native(batch, steps=8, dtype=torch.float32):
-    step, stack = native_setup(batch, steps=steps, dtype=dtype)
+    start, step = native_setup(batch, steps=steps, dtype=dtype)
     frames, _ = real_frames(batch, steps)
-    stack.start(0, frames[0])
+    start(frames[0])
     step(1, frames[1])  # warm-up
-    originals = kernels.linear_gelu, kernels.policy_value_heads
+    originals = [getattr(kernels, name) for name in FUSED]
     with CountOps() as mode:
-        # the fused kernels count one launch each, as on a GPU
-        kernels.linear_gelu, kernels.policy_value_heads = map(mode.kernel, originals)
+        # the fused kernels count one launch each, as on a GPU (policy_step finds them by name)
+        for name, fn in zip(FUSED, originals):
+            setattr(kernels, name, mode.kernel(fn))
         try:
-            step(2, frames[2], sample=mode.kernel(kernels.sample_logits))
+            step(2, frames[2])
         finally:
-            kernels.linear_gelu, kernels.policy_value_heads = originals
+            for name, fn in zip(FUSED, originals):
+                setattr(kernels, name, fn)
     return mode.ops
 
 
@@ -181,18 +192,20 @@ def labelled(fn):
 
 def native_allocations(batch, steps=32, dtype=torch.float32):
     """Steady-state bytes per native step (two windows of a rollout, after a warm-up)."""
-    step, stack = native_setup(batch, steps=steps, dtype=dtype)
-    originals = kernels.linear_gelu, kernels.policy_value_heads, kernels.sample_logits
-    kernels.linear_gelu, kernels.policy_value_heads, kernels.sample_logits = map(labelled, originals)
+    start, step = native_setup(batch, steps=steps, dtype=dtype)
+    originals = [getattr(kernels, name) for name in FUSED]
+    for name, fn in zip(FUSED, originals):
+        setattr(kernels, name, labelled(fn))
     try:
-        return _native_windows(step, stack, batch, steps)
+        return _native_windows(start, step, batch, steps)
     finally:
-        kernels.linear_gelu, kernels.policy_value_heads, kernels.sample_logits = originals
+        for name, fn in zip(FUSED, originals):
+            setattr(kernels, name, fn)
 
 
-def _native_windows(step, stack, batch, steps):
+def _native_windows(start, step, batch, steps):
     frames, ended = real_frames(batch, steps)
-    stack.start(0, frames[0])
+    start(frames[0])
     for t in range(1, 4):  # warm-up
         step(t, frames[t], ended[t])
     windows = []
@@ -240,9 +253,10 @@ def main():
     rows = []
     base_ops = count_baseline(batch)
     rows.append(("baseline (fp32)", base_ops, baseline_allocations(batch), 4 * 84 * 84 + 8 + 1))
+    # native: one frame and one keep flag per env (kernels.STAGED_ROW bytes with the padding)
     for name, dtype in (("native fp32", torch.float32), ("native bf16", torch.bfloat16)):
         ops = count_native(batch, dtype=dtype)
-        rows.append((name, ops, native_allocations(batch, dtype=dtype)[1], 84 * 84))
+        rows.append((name, ops, native_allocations(batch, dtype=dtype)[1], kernels.STAGED_ROW))
     print(f"Per env-batch rollout step, batch {batch} envs, torch {torch.__version__}, device cpu\n")
     print(
         "| script | launches (aten ops + Triton) | bytes allocated: conv primitives | fused kernels' CPU reference"
@@ -258,8 +272,9 @@ def main():
             print(f"  non-conv allocations: { {k: int(v) for k, v in others.items()} }")
     print(
         "\nbaseline host-to-device per env step: the stacked uint8 observation (4 x 84 x 84),"
-        " the float64 reward and the done flag, every step; native: one 84x84 uint8 frame, with"
-        " rewards and terminals (8 bytes per env step) copied once per iteration."
+        " the float64 reward and the done flag, every step; native: one 84x84 uint8 frame and its"
+        " game's keep flag (a 16-byte aligned row), with rewards and terminals (8 bytes per env"
+        " step) copied once per iteration."
     )
 
 

@@ -163,7 +163,7 @@ def test_a2c_bf16_stop_and_resume_as_tensorboard_shows_it(runs_dir):
     [
         (["--num-envs", "6", "--num-gpu-batches", "4"], "--num-envs 6 is not divisible by --num-gpu-batches 4"),
         (["--env-id", "Breakoutt-v5"], "did you mean Breakout-v5"),
-        (["--log-interval", "0"], "--log-interval must be positive"),
+        (["--log-interval", "0"], "--log-interval must be at least 1"),
         (["--total-timesteps", "50"], "below one batch (80 steps)"),
     ],
 )

@@ -11,6 +11,7 @@ def test_torchrun_two_ranks_gloo(runs_dir):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         str(ROOT / "ppo_atari_native.py"), *args, "--runs-dir", str(runs_dir), "--num-env-threads", "1",
+        "--device", "cpu", "--backend", "gloo",  # CPU ranks even where a GPU is present
     ]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -11,15 +11,23 @@ import utils
 
 
 def play(envs, num_batches, steps, seed=0):
-    """Step ThreadedAtariEnvs round-robin with random actions, stacking frames on the device.
+    """Step ThreadedAtariEnvs round-robin with random actions, stacking frames as the native
+    scripts do (kernels.stage_frames, then kernels.push_frames from the last stacks).
 
     Yields (step, obs [num_envs, 4, 84, 84], rewards, dones, actions) after every step."""
-    n = envs.num_envs
+    n, batch = envs.num_envs, envs.batch_size
     obs = torch.zeros((2, n, 4, 84, 84), dtype=torch.uint8)
-    device = torch.device("cpu")
-    stacks = [utils.DeviceFrameStack([obs[t, sl] for t in range(2)], device, None) for sl in envs.slices]
+    staged = torch.empty((batch, kernels.STAGED_ROW), dtype=torch.uint8)
+    x = torch.empty((batch, 4, 84, 84)).contiguous(memory_format=torch.channels_last)
+
+    def push(b, frames, ended):
+        sl = envs.slices[b]
+        kernels.stage_frames(staged.numpy(), frames, ended)
+        kernels.push_frames(obs[0, sl], staged, obs[1, sl], x)
+
     for b, frames in enumerate(np.split(envs.reset(seed=seed), num_batches)):
-        stacks[b].start(0, frames)
+        push(b, frames, slice(None))  # new games: older slots zero
+    obs[0].copy_(obs[1])
     rng = np.random.default_rng(seed)
     rewards, dones = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
     yield 0, obs[0].clone(), rewards, dones, None
@@ -29,7 +37,7 @@ def play(envs, num_batches, steps, seed=0):
             envs.send(b, actions[sl])
         for b, sl in enumerate(envs.slices):
             frames, ended = envs.recv(b, rewards[sl], dones[sl])
-            stacks[b].push(1, frames, ended)
+            push(b, frames, ended)
         obs[0].copy_(obs[1])
         yield step, obs[1].clone(), rewards, dones, actions
 
@@ -135,6 +143,7 @@ def test_gae_vectorized_equals_loop():
 
 
 def real_frames(n=8, steps=60):
+    """Stacks [n, 4, 84, 84] from real Breakout play."""
     envs = utils.ThreadedAtariEnvs("Breakout-v5", n, 1, 2, seed=1)
     for _, obs, *_ in play(envs, 1, steps, seed=1):
         pass
@@ -142,43 +151,65 @@ def real_frames(n=8, steps=60):
     return obs
 
 
+def rollout_step(agent, frames, dtype, uniform):
+    """kernels.policy_step on the CPU for one batch, from stacks obs[0] to obs[1]; returns the
+    storage it wrote: (obs[1], action, logprob, value)."""
+    batch = len(frames)
+    weights = kernels.inference_weights(agent, dtype)
+    buf = kernels.inference_buffers(batch, 4, dtype, torch.device("cpu"))
+    obs = torch.zeros((2, batch, 4, 84, 84), dtype=torch.uint8)
+    obs[0] = frames
+    kernels.stage_frames(buf.staged.numpy(), frames[:, 3].numpy(), ())  # the newest frame again
+    action, logprob, value = (
+        torch.empty(batch, dtype=torch.long),
+        torch.full((batch,), float("nan")),
+        torch.empty(batch),
+    )
+    kernels.policy_step(weights, buf, obs[0], obs[1], uniform, action, logprob, value)
+    return obs[1], action, logprob, value, buf
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_fused_inference_equals_training_forward(precision):
+    """The rollout's policy_step and the training network compute the same logits and values
+    from the same stacks, in fp32 and in bf16 (there: bf16 convolutions, a bf16-operand Linear
+    adding up in float32 and float32 heads in both, so only summation order differs)."""
     torch.manual_seed(0)
     agent = native.Agent(4).to(memory_format=torch.channels_last)
     for p in agent.parameters():  # random weights, not the small initial heads
         torch.nn.init.normal_(p, std=0.05)
-    obs = real_frames()
-    assert obs.float().std() > 0
+    frames = real_frames()
+    assert frames.float().std() > 0
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    weights = native.inference_weights(agent, dtype)
-    buf = native.inference_buffers(8, 4, dtype, torch.device("cpu"))
-    value = torch.full((8,), float("nan"))
-    native.policy_forward(weights, buf, obs, value)
+    stacks, _, _, value, buf = rollout_step(agent, frames, dtype, torch.rand(8))
+    expected_stacks = torch.cat([frames[:, 1:], frames[:, 3:]], dim=1)
+    assert torch.equal(stacks, expected_stacks)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-        hidden = agent.network(obs.float().contiguous(memory_format=torch.channels_last) / 255.0)
-        logits, expected_value = agent.actor(hidden).float(), agent.critic(hidden).float().view(-1)
-    tolerance = 1e-5 if precision == "fp32" else 0.05
+        _, _, _, expected_value = agent.get_action_and_value(stacks)
+        features = agent.network[:7]((stacks * (1.0 / 255.0)).contiguous(memory_format=torch.channels_last))
+    fc = agent.network[7]
+    hidden = agent.network[8](torch.nn.functional.linear(features.float(), fc.weight.to(dtype).float(), fc.bias))
+    logits = agent.actor(hidden)
+    tolerance = 1e-5 if precision == "fp32" else 1e-4
     torch.testing.assert_close(buf.logits, logits, rtol=tolerance, atol=tolerance)
-    torch.testing.assert_close(value, expected_value, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(value, expected_value.view(-1), rtol=tolerance, atol=tolerance)
 
 
-def test_rollout_logprobs_equal_training_logprobs():
-    """PPO's first minibatch must have ratio 1: the rollout's log-probs (fused path, folded
-    1/255, permuted Linear) equal the training network's, in float32."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_rollout_logprobs_equal_training_logprobs(precision):
+    """PPO's first minibatch must have ratio 1: the rollout's log-probs (policy_step: the stack
+    pushed, x / 255 in its kernel, the permuted Linear) equal the training network's on the
+    stacks the rollout stored, in float32, and in bf16 under autocast as the update runs it."""
     torch.manual_seed(0)
     agent = native.Agent(4).to(memory_format=torch.channels_last)
-    obs = real_frames()
-    weights = native.inference_weights(agent, torch.float32)
-    buf = native.inference_buffers(8, 4, torch.float32, torch.device("cpu"))
-    value, action, logprob = torch.empty(8), torch.empty(8, dtype=torch.long), torch.empty(8)
-    native.policy_forward(weights, buf, obs, value)
-    kernels.sample_logits(buf.logits, torch.rand(8), action, logprob, buf.entropy)
-    with torch.no_grad():
-        _, newlogprob, _, newvalue = agent.get_action_and_value(obs, action)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    stacks, action, logprob, value, _ = rollout_step(agent, real_frames(), dtype, torch.rand(8))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        _, newlogprob, _, newvalue = agent.get_action_and_value(stacks, action)
     ratio = (newlogprob - logprob).exp()
-    torch.testing.assert_close(ratio, torch.ones(8), rtol=0, atol=1e-5)
-    torch.testing.assert_close(value, newvalue.view(-1), rtol=1e-5, atol=1e-5)
+    tolerance = 1e-5 if precision == "fp32" else 1e-4
+    torch.testing.assert_close(ratio, torch.ones(8), rtol=0, atol=tolerance)
+    torch.testing.assert_close(value, newvalue.view(-1), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -224,9 +255,9 @@ def test_first_ratio_is_one_in_the_script(runs_dir):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_rollout_step_allocates_nothing_outside_convs_and_launches_at_most_14(precision):
-    """Steady state: the script's own per-step work allocates zero bytes (the conv primitives
-    allocate inside ATen; the fused kernels' CPU torch reference is one Triton launch on a GPU),
-    the same bytes from one window of steps to the next, and at most 14 launches."""
+    """Steady state: a batch-step's own work allocates zero bytes (the conv primitives allocate
+    their outputs; the fused kernels' CPU torch reference is one Triton launch on a GPU), the
+    same bytes from one window of steps to the next, and at most 14 launches, 4 of them fused."""
     from benchmarks import rollout_profile
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -236,4 +267,17 @@ def test_rollout_step_allocates_nothing_outside_convs_and_launches_at_most_14(pr
     assert first[0] > 0  # the measurement sees the conv primitives' buffers, so it does measure
     ops = rollout_profile.count_native(8, dtype=dtype)
     assert len(ops) <= 14, ops
-    assert sum(op.startswith("triton:") for op in ops) == 3
+    assert sum(op.startswith("triton:") for op in ops) == 4
+
+
+def test_drivers_compute_the_same_run(runs_dir):
+    """One driver thread serving the batches in turn, a worker thread per batch, and the
+    sequential debugging mode give the same actions: the weights after two updates are equal
+    to the bit (the uniforms are drawn before the rollout, the envs are seeded per batch)."""
+    args = ["--num-envs", "8", "--num-steps", "32", "--num-minibatches", "4", "--total-timesteps", "512"]
+    models = []
+    for mode in (["--driver", "single"], ["--driver", "threads"], ["--single-threaded"]):
+        result = run_script("ppo_atari_native.py", *args, "--num-gpu-batches", "4", *mode, "--runs-dir", runs_dir)
+        models.append(torch.load(run_dir_of(result) / "model.pt", weights_only=True)["model"])
+    for model in models[1:]:
+        assert all(torch.equal(model[k], models[0][k]) for k in model)

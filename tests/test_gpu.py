@@ -1,0 +1,181 @@
+"""The GPU tier: what runs only on CUDA, run on CUDA. Selected with `pytest -m cuda`; skipped,
+with the reason, where no GPU is present (so the CPU suite is unchanged); run with every other
+test by the README's test command on a GPU machine. benchmarks/gpu_check.sh runs it and writes
+a report.
+
+- The headline command for 2 iterations, fp32 and bf16: one driver thread, a worker thread
+  per batch, --single-threaded and --no-cuda-graphs all compute the same run (the weights after
+  two updates are equal to the bit, so every action was too).
+- A rollout under PyTorch's CUDA sanitizer reports no race between the streams.
+- Every Triton kernel compiled for this GPU equals its reference (tests/gpu_kernels.py).
+- PPO's first ratio on CUDA: 1 within 1e-5 in fp32, within 1e-3 in bf16 (the same recipe in
+  rollout and learner; bf16 convolutions may round apart where cuDNN adds up in another order).
+- a2c_atari.py, evaluation, stop and resume, and torchrun with NCCL (world size 1).
+- benchmarks/gpu_sweep.py finishes every configuration of its --quick grid.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, assert_all_tags, read_scalars, run_dir_of, run_script, script_env
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the GPU tier: pytest -m cuda)"),
+]
+
+HEADLINE = ["--env-id", "Breakout-v5", "--num-gpu-batches", "8"]
+TWO_ITERATIONS = ["--total-timesteps", str(2 * 16 * 128)]
+# cuBLAS picks its reduction order by workspace: this makes it the same in every run
+DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def model_of(result):
+    return torch.load(run_dir_of(result) / "model.pt", map_location="cpu", weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_headline_command_computes_the_same_run_whoever_drives_it(precision, runs_dir):
+    args = [*HEADLINE, *TWO_ITERATIONS, "--precision", precision, "--runs-dir", runs_dir]
+    runs = {}
+    for name, extra in [
+        ("single driver, graphs", ["--driver", "single"]),
+        ("threads, graphs", ["--driver", "threads"]),
+        ("single-threaded", ["--single-threaded"]),
+        ("single driver, no graphs", ["--driver", "single", "--no-cuda-graphs"]),
+    ]:
+        result = run_script("ppo_atari_native.py", *args, *extra, env=DETERMINISTIC)
+        first = result.stdout.splitlines()[0]
+        assert first.startswith(torch.cuda.get_device_name()) and f", {precision}, 16 envs x 8 batches" in first, first
+        runs[name] = model_of(result)
+        assert_all_tags(read_scalars(run_dir_of(result)), ["charts/SPS", "losses/value_loss", "losses/approx_kl"])
+    reference = runs["single driver, graphs"]
+    for name, model in runs.items():
+        different = [k for k in model if not torch.equal(model[k], reference[k])]
+        assert not different, f"{name} differs from the single driver with graphs in {different}"
+
+
+def test_a_rollout_under_the_cuda_sanitizer_has_no_race(runs_dir):
+    """TORCH_CUDA_SANITIZER=1 (CSAN) checks every torch op's stream accesses: the default
+    stream's weight refresh, uniforms and storage reads against the batch streams' writes.
+    Without graphs, so that it sees every op (Triton launches are invisible to it)."""
+    args = ["--num-envs", "8", "--num-steps", "16", "--num-minibatches", "2", "--total-timesteps", "384"]
+    result = run_script(
+        "ppo_atari_native.py", *args, "--num-gpu-batches", "4", "--no-cuda-graphs", "--runs-dir", runs_dir,
+        env={"TORCH_CUDA_SANITIZER": "1"}, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "data race" not in result.stderr.lower() and "CSAN" not in result.stderr, result.stderr[-4000:]
+
+
+def test_triton_kernels_compiled_for_this_gpu_equal_their_references():
+    env = script_env()
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu_kernels.py")], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "all kernel checks passed" in result.stdout
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-5), ("bf16", 1e-3)])
+def test_first_ratio_is_one_on_cuda(precision, tolerance, runs_dir):
+    """A single-minibatch, single-epoch update starts at ratio 1: its old_approx_kl (the mean
+    log-ratio) is 0 up to rounding, in the first iteration and after updates."""
+    args = ["--num-envs", "8", "--num-steps", "32", "--num-minibatches", "1", "--update-epochs", "1"]
+    result = run_script(
+        "ppo_atari_native.py", *args, "--total-timesteps", "768", "--precision", precision, "--runs-dir", runs_dir
+    )
+    scalars = read_scalars(run_dir_of(result))
+    assert len(scalars["losses/old_approx_kl"]) == 3
+    for (_, kl), (_, approx_kl) in zip(scalars["losses/old_approx_kl"], scalars["losses/approx_kl"], strict=True):
+        assert abs(kl) < tolerance and abs(approx_kl) < tolerance, (kl, approx_kl)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a2c_and_its_evaluation_on_cuda(precision, runs_dir):
+    args = ["--num-envs", "16", "--num-steps", "5", "--total-timesteps", "4000", "--log-interval", "10"]
+    result = run_script("a2c_atari.py", *args, "--precision", precision, "--runs-dir", runs_dir)
+    run_dir = run_dir_of(result)
+    assert_all_tags(read_scalars(run_dir), ["charts/SPS", "losses/value_loss", "losses/entropy"])
+    evaluated = run_script("a2c_atari.py", "--eval-checkpoint", run_dir / "model.pt", "--eval-episodes", "2")
+    assert re.search(r"evaluation Breakout-v5: 2 games  mean [\d.]+", evaluated.stdout), evaluated.stdout
+
+
+def test_stop_and_resume_on_cuda(runs_dir):
+    """SIGTERM after the first iteration, then the printed resume command, to the end: the
+    CUDA RNG state of this device is saved and restored."""
+    args = [*HEADLINE, "--total-timesteps", str(6 * 2048), "--runs-dir", str(runs_dir)]
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "ppo_atari_native.py"), *args], cwd=ROOT, env=script_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "SPS:" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    stdout = "".join(lines) + out
+    assert proc.returncode == 0, err[-3000:]
+    match = re.search(r"resume with: python ppo_atari_native.py (.+)", stdout)
+    assert match, stdout[-2000:]
+    resumed = run_script("ppo_atari_native.py", *match.group(1).split())
+    assert "saved" in resumed.stdout
+    state = torch.load(run_dir_of(resumed) / "model.pt", map_location="cpu", weights_only=True)
+    assert state["global_step"] == 6 * 2048 and state["rng"]["cuda"].dtype == torch.uint8
+
+
+def test_torchrun_with_nccl_on_one_gpu(runs_dir):
+    args = ["--num-envs", "8", "--num-steps", "32", "--num-minibatches", "2", "--total-timesteps", "512"]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+        str(ROOT / "ppo_atari_native.py"), *args, "--backend", "nccl", "--runs-dir", str(runs_dir),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "weights identical on all 1 ranks: True" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_torchrun_with_nccl_on_two_gpus(runs_dir):
+    args = ["--num-envs", "8", "--num-steps", "32", "--num-minibatches", "2", "--total-timesteps", "1024"]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        str(ROOT / "ppo_atari_native.py"), *args, "--runs-dir", str(runs_dir),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "weights identical on all 2 ranks: True" in result.stdout
+
+
+def test_more_torchrun_processes_than_gpus_is_refused(runs_dir):
+    count = torch.cuda.device_count()
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(count + 1),
+        str(ROOT / "ppo_atari_native.py"), "--runs-dir", str(runs_dir),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert f"which has {count} GPU(s): use --nproc-per-node {count}" in result.stderr
+
+
+def test_gpu_sweep_finishes_every_configuration_of_its_quick_grid():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_sweep.py"), "--quick"],
+        cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "| - |" not in result.stdout and "failed" not in result.stdout, result.stdout
+
+
+def test_more_ranks_error_is_one_line_per_rank():
+    """What each rank prints when refused: one error line, exit code 2 (torchrun reports it)."""
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "99"}
+    result = run_script("ppo_atari_native.py", "--total-timesteps", "4096", env=env, check=False)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
