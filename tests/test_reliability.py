@@ -3,6 +3,7 @@ atomic checkpoints, one clear line for each bad input, evaluation, and a clean s
 training goes non-finite."""
 
 import hashlib
+import importlib
 import importlib.util
 import io
 import os
@@ -40,6 +41,15 @@ CONFIGS = {
     ),
 }  # fmt: skip
 SCRIPTS = [s for s in CONFIGS if (ROOT / s).exists()]
+# what each tiny run records in its checkpoint's args (check_resume_args compares these)
+CONFIGS_ARGS = {
+    script: {
+        "num_envs": int(c.args[c.args.index("--num-envs") + 1]),
+        "num_steps": int(c.args[c.args.index("--num-steps") + 1]),
+        "total_timesteps": int(c.args[c.args.index("--total-timesteps") + 1]),
+    }
+    for script, c in CONFIGS.items()
+}
 PER_ITERATION_TAGS = ["charts/SPS", "charts/learning_rate", "losses/value_loss"]
 STOPPED = re.compile(r"stopped by (SIGINT|SIGTERM) at step ([\d,]+); resume with: (.+)")
 
@@ -205,7 +215,8 @@ import utils
 
 def state(marker):
     weights = torch.full((4_000_000,), float(marker))  # 16 MB: a write that takes a while
-    return {"script": "ppo_atari_baseline.py", "env_id": "Breakout-v5", "model": {"w": weights}, "iteration": marker}
+    return {"script": "ppo_atari_baseline.py", "env_id": "Breakout-v5", "num_actions": 4, "model": {"w": weights},
+            "iteration": marker}
 
 utils.save_checkpoint(sys.argv[1], state(1))
 real_save = torch.save
@@ -235,7 +246,7 @@ def test_checkpoint_write_killed_half_way_leaves_the_previous_one(tmp_path):
 
 def test_checkpoint_write_that_fails_leaves_no_temp_file(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint.pt"
-    good = {"script": "ppo_atari_baseline.py", "env_id": "Breakout-v5", "model": {}, "iteration": 1}
+    good = {"script": "ppo_atari_baseline.py", "env_id": "Breakout-v5", "num_actions": 4, "model": {}, "iteration": 1}
     utils.save_checkpoint(path, good)
 
     def disk_full(obj, f):
@@ -252,7 +263,7 @@ def test_checkpoint_write_that_fails_leaves_no_temp_file(tmp_path, monkeypatch):
 def test_load_checkpoint_refuses_bad_files_by_name(tmp_path):
     path = tmp_path / "checkpoint.pt"
     utils.save_checkpoint(
-        path, {"script": "ppo_atari_native.py", "env_id": "Pong-v5", "model": {"w": torch.ones(1000)}}
+        path, {"script": "ppo_atari_native.py", "env_id": "Pong-v5", "num_actions": 6, "model": {"w": torch.ones(1000)}}
     )
     data = path.read_bytes()
     cases = {
@@ -291,12 +302,13 @@ def test_resume_command_survives_spaces_and_drops_the_old_resume(monkeypatch):
 # ----------------------------------------------------------------------------- 3. bad input
 def bad_inputs(script):
     """(case, arguments, text the one error line must contain); {files} is a folder of fake
-    checkpoints made by `bad_input_results`."""
+    checkpoints made by `bad_input_results`, {runs} the runs directory they all share (which
+    must hold no run directory afterwards)."""
     config = CONFIGS[script]
     other = "ppo_atari_native.py" if script == "ppo_atari_baseline.py" else "ppo_atari_baseline.py"
     cases = [
         ("unknown-game", ["--env-id", "Breakoutt-v5"], "did you mean Breakout-v5"),
-        ("no-envs", ["--num-envs", "0"], "--num-envs must be positive"),
+        ("no-envs", ["--num-envs", "0"], "--num-envs must be at least 1"),
         ("budget-below-one-batch", ["--num-steps", "8", "--total-timesteps", "16"], "below one batch"),
         ("device-tpu", ["--device", "tpu"], "--device 'tpu'"),
         ("resume-missing", ["--resume", "{files}/missing.pt"], "does not exist"),
@@ -304,26 +316,74 @@ def bad_inputs(script):
         ("resume-other-script", ["--resume", f"{{files}}/{other}"], f"is from {other}"),
         ("resume-other-game", ["--resume", f"{{files}}/pong-{script}"], "is for Pong-v5"),
         ("resume-other-num-envs", ["--resume", f"{{files}}/8-envs-{script}"], "--num-envs 4 differs"),  # tiny: 4
+        ("resume-finished-run", ["--resume", f"{{files}}/finished-{script}"], "ends a finished run"),
         ("eval-missing", ["--eval-checkpoint", "{files}/missing.pt"], "does not exist"),
         ("video-without-eval", ["--capture-video"], "--eval-checkpoint"),
+        # issue 20: a checkpoint never runs code, and what is not a checkpoint of the script is refused
+        ("eval-payload", ["--eval-checkpoint", "{files}/payload.pt"], "refused, loading it could run code"),
+        ("resume-payload", ["--resume", "{files}/payload.pt"], "refused, loading it could run code"),
+        ("eval-incomplete", ["--eval-checkpoint", f"{{files}}/incomplete-{script}"], "'num_actions' is missing"),
+        ("resume-incomplete", ["--resume", f"{{files}}/no-optimizer-{script}"], "'optimizer' is missing"),
+        ("eval-wrong-type", ["--eval-checkpoint", f"{{files}}/string-model-{script}"], "'model' is a str"),
+        ("eval-wrong-actions", ["--eval-checkpoint", f"{{files}}/6-actions-{script}"], "has 6 actions, Breakout has 4"),
+        ("eval-wrong-shape", ["--eval-checkpoint", f"{{files}}/bad-shape-{script}"], "do not fit the network"),
+        ("resume-bad-optimizer", ["--resume", f"{{files}}/bad-optimizer-{script}"], "optimizer state is for another"),
+        ("resume-bad-rng", ["--resume", f"{{files}}/bad-rng-{script}"], "RNG states cannot be restored"),
+        # issue 21: every flag checked before anything starts
+        ("gamma-2", ["--gamma", "2"], "--gamma must be in [0, 1], got 2.0"),
+        ("exp-name-escapes", ["--exp-name", "../../../escaped"], "not a path"),
+        ("misspelled-flag", ["--gama", "0.9"], "perhaps you meant --gamma"),
     ]  # fmt: skip
+    if config.minibatches:
+        cases += [
+            ("minibatches", ["--num-envs", "4", "--num-steps", "5", "--num-minibatches", "3"], "--num-minibatches 3"),
+        ]
     if not torch.cuda.is_available():
         cases.append(("device-cuda", ["--device", "cuda"], "CUDA is not available"))
     if importlib.util.find_spec("moviepy") is None:
         cases.append(
             ("video-without-moviepy", ["--eval-checkpoint", f"{{files}}/{script}", "--capture-video"], "moviepy")
         )
-    if config.minibatches:
-        cases.append(
-            ("minibatches", ["--num-envs", "4", "--num-steps", "5", "--num-minibatches", "3"], "--num-minibatches 3")
-        )
     if config.gpu_batches:
         cases.append(("gpu-batches", ["--num-envs", "6", "--num-gpu-batches", "4"], "--num-gpu-batches 4"))
         cases.append(("precision-fp16", ["--precision", "fp16"], "--precision 'fp16'"))
+        cases.append(("driver-unknown", ["--driver", "fibers"], "--driver 'fibers'"))
+    if script == "a2c_atari.py":
+        cases.append(("rms-alpha-1", ["--rms-alpha", "1"], "--rms-alpha must be in [0, 1)"))
     return cases
 
 
 BAD_INPUTS = [(script, *case) for script in SCRIPTS for case in bad_inputs(script)]
+PAYLOAD_MARKER = "payload-ran"
+
+
+class Payload:
+    """Unpickling this runs a shell command that creates a file: what a malicious model.pt does."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def valid_checkpoint(script, actions=4, **changes):
+    """A checkpoint of `script` as the script writes it (for Breakout-v5, 4 actions), with
+    `changes` applied (None removes a key); `actions` sizes the network and num_actions."""
+    module = importlib.import_module(Path(script).stem)
+    agent = module.Agent(actions)
+    optimizer = torch.optim.Adam(agent.parameters())
+    state = {
+        "script": script, "env_id": "Breakout-v5", "args": {"num_envs": 4, "num_steps": 16, "total_timesteps": 320},
+        "num_actions": actions, "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
+        "iteration": 1, "global_step": 64, "env_seed": 1, "rng": utils.rng_states(torch.device("cpu")),
+    }  # fmt: skip
+    for key, value in changes.items():
+        if value is None:
+            state.pop(key)
+        else:
+            state[key] = value
+    return state
 
 
 @pytest.fixture(scope="module")
@@ -333,11 +393,24 @@ def bad_input_results(tmp_path_factory):
     files = tmp_path_factory.mktemp("fake-checkpoints")
     runs_dir = tmp_path_factory.mktemp("bad-input-runs")
     (files / "corrupt.pt").write_bytes(b"PK\x03\x04 not really a zip file")
+    torch.save({"script": "ppo_atari_native.py", "model": Payload(files / PAYLOAD_MARKER)}, files / "payload.pt")
     for script in CONFIGS:
-        torch.save({"script": script, "env_id": "Breakout-v5", "model": {}}, files / script)
-        torch.save({"script": script, "env_id": "Pong-v5", "model": {}}, files / f"pong-{script}")
-        state = {"script": script, "env_id": "Breakout-v5", "model": {}, "args": {"num_envs": 8}}
-        torch.save(state, files / f"8-envs-{script}")
+        torch.save(valid_checkpoint(script), files / script)
+        torch.save(valid_checkpoint(script, env_id="Pong-v5"), files / f"pong-{script}")
+        args = {"num_envs": 8, "num_steps": 16, "total_timesteps": 320}
+        torch.save(valid_checkpoint(script, args=args), files / f"8-envs-{script}")
+        finished = valid_checkpoint(script, args=dict(CONFIGS_ARGS[script]), iteration=10**6)
+        torch.save(finished, files / f"finished-{script}")
+        torch.save(valid_checkpoint(script, num_actions=None), files / f"incomplete-{script}")
+        torch.save(valid_checkpoint(script, optimizer=None), files / f"no-optimizer-{script}")
+        torch.save(valid_checkpoint(script, model="weights"), files / f"string-model-{script}")
+        torch.save(valid_checkpoint(script, actions=6), files / f"6-actions-{script}")
+        six = valid_checkpoint(script, actions=6)["model"]
+        torch.save(valid_checkpoint(script, model=six), files / f"bad-shape-{script}")
+        optimizer = valid_checkpoint(script)["optimizer"]
+        optimizer["state"] = {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3, 3)}}
+        torch.save(valid_checkpoint(script, optimizer=optimizer), files / f"bad-optimizer-{script}")
+        torch.save(valid_checkpoint(script, rng={"python": "not a state"}), files / f"bad-rng-{script}")
 
     def run(case):
         script, name, args, _ = case
@@ -347,27 +420,101 @@ def bad_input_results(tmp_path_factory):
         return (script, name), (result, time.monotonic() - start)
 
     with ThreadPoolExecutor(2) as pool:
-        return dict(pool.map(run, BAD_INPUTS))
+        results = dict(pool.map(run, BAD_INPUTS))
+    return SimpleNamespace(results=results, files=files, runs_dir=runs_dir)
 
 
 @pytest.mark.parametrize("script, case, args, text", BAD_INPUTS, ids=[f"{s}-{c}" for s, c, *_ in BAD_INPUTS])
 def test_bad_input_is_one_line_and_exit_2_before_anything_starts(bad_input_results, script, case, args, text):
-    result, seconds = bad_input_results[script, case]
+    result, seconds = bad_input_results.results[script, case]
     assert result.returncode == 2, f"exit {result.returncode}\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}"
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
-    assert text in lines[0]
+    assert "Traceback" not in result.stderr
+    assert text in lines[0], lines[0]
     assert "run directory" not in result.stdout  # nothing was started
     assert seconds < 15, f"took {seconds:.1f}s: the check must come before the envs start"
 
 
-def test_bf16_on_a_cuda_device_without_it_is_refused(monkeypatch):
-    """Simulated: the CUDA branch of check_precision names the device."""
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+def test_no_bad_input_made_a_run_directory_or_ran_a_payload(bad_input_results):
+    assert list(bad_input_results.runs_dir.iterdir()) == []
+    assert not (bad_input_results.files / PAYLOAD_MARKER).exists(), "loading a checkpoint ran code from it"
+    assert not (ROOT.parent / "escaped").exists()
+
+
+# the rest of the ranges, checked in-process through the scripts' own parse and check (the
+# same utils.cli and utils.check_args every script's main calls first): a subprocess per
+# value would cost the suite minutes and test nothing more
+FLAG_CASES = [
+    ("gamma-negative", ["--gamma", "-0.5"], "--gamma must be in [0, 1]"),
+    ("lambda-1.5", ["--gae-lambda", "1.5"], "--gae-lambda must be in [0, 1]"),
+    ("vf-coef-negative", ["--vf-coef", "-1"], "--vf-coef must be finite and >= 0"),
+    ("max-grad-norm-negative", ["--max-grad-norm", "-1"], "--max-grad-norm must be finite and > 0"),
+    ("lr-zero", ["--learning-rate", "0"], "--learning-rate must be finite and > 0"),
+    ("lr-negative", ["--learning-rate", "-1"], "--learning-rate must be finite and > 0"),
+    ("lr-nan", ["--learning-rate", "nan"], "--learning-rate must be finite and > 0"),
+    ("ent-coef-nan", ["--ent-coef", "nan"], "--ent-coef must be finite"),
+    ("ent-coef-inf", ["--ent-coef", "inf"], "--ent-coef must be finite"),
+    ("seed-negative", ["--seed", "-1"], "--seed must be an integer in [0, 2**32 - 1]"),
+    ("seed-too-big", ["--seed", "4294967296"], "--seed must be an integer in [0, 2**32 - 1]"),
+    ("update-epochs-negative", ["--update-epochs", "-1"], "--update-epochs must be at least 0"),
+    ("save-interval-zero", ["--save-interval", "0"], "--save-interval must be at least 1"),
+    ("runs-dir-is-a-file", ["--runs-dir", "{file}"], "is not a directory"),
+    ("runs-dir-under-a-file", ["--runs-dir", "{file}/runs"], "is not a directory"),
+    ("exp-name-with-slash", ["--exp-name", "a/b"], "not a path"),
+    ("exp-name-dot-dot", ["--exp-name", ".."], "not a path"),
+    ("type-error", ["--num-envs", "four"], "--num-envs"),
+    ("computed-field", ["--batch-size", "64"], "Unrecognized options: --batch-size"),
+    ("clip-coef-negative", ["--clip-coef", "-0.1"], "--clip-coef must be finite and > 0"),
+    ("target-kl-negative", ["--target-kl", "-1"], "--target-kl must be finite and > 0"),
+    ("target-kl-nan", ["--target-kl", "nan"], "--target-kl must be finite and > 0"),
+    ("rms-eps-negative", ["--rms-eps", "-1"], "--rms-eps must be finite and >= 0"),
+]
+FLAG_INPUTS = [
+    (script, *case)
+    for script in SCRIPTS
+    for case in FLAG_CASES
+    if case[1][0].lstrip("-").replace("-", "_") in vars(importlib.import_module(Path(script).stem).Args())
+    or case[0] in ("type-error", "computed-field")
+]
+
+
+@pytest.mark.parametrize("script, case, args, text", FLAG_INPUTS, ids=[f"{s}-{c}" for s, c, *_ in FLAG_INPUTS])
+def test_out_of_range_flags_are_refused_by_the_scripts_checks(script, case, args, text, tmp_path, monkeypatch, capsys):
+    module = importlib.import_module(Path(script).stem)
+    (tmp_path / "file").write_text("not a directory")
+    args = [a.format(file=tmp_path / "file") for a in args]
+    monkeypatch.setattr(sys, "argv", [script, *CONFIGS[script].args, "--runs-dir", str(tmp_path / "runs"), *args])
+    with pytest.raises((utils.UsageError, SystemExit)) as raised:
+        utils.check_args(utils.cli(module.Args))
+    if isinstance(raised.value, SystemExit):  # tyro's own errors: utils.cli printed one line
+        assert raised.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), lines
+        message = lines[0]
+    else:
+        message = str(raised.value)
+    assert text in message, message
+    assert not (tmp_path / "runs").exists()
+
+
+def test_precision_resolves_by_hardware_and_bf16_is_refused_where_missing(monkeypatch):
+    """Simulated CUDA devices: auto is bf16 on sm_80 and newer, fp32 on a T4 (sm_75), where an
+    explicit bf16 is refused naming the device; on a CPU auto follows its bf16 instructions."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 5))
+    cuda = torch.device("cuda", 0)
     with pytest.raises(utils.UsageError, match="--precision bf16: not supported by Tesla T4"):
-        utils.check_precision("bf16", torch.device("cuda"))
-    utils.check_precision("bf16", torch.device("cpu"))  # CPUs run bf16 (slowly without AVX-512)
+        utils.resolve_precision("bf16", cuda)
+    assert utils.resolve_precision("auto", cuda) == "fp32"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    assert utils.resolve_precision("auto", cuda) == "bf16"
+    assert utils.resolve_precision("fp32", cuda) == "fp32"
+    cpu = torch.device("cpu")
+    assert utils.resolve_precision("auto", cpu) == ("bf16" if utils.cpu_has_bf16() else "fp32")
+    assert utils.resolve_precision("bf16", cpu) == "bf16"  # CPUs run bf16 (slowly without AVX-512 BF16)
+    with pytest.raises(utils.UsageError, match="--precision 'fp16'"):
+        utils.resolve_precision("fp16", cpu)
 
 
 # ----------------------------------------------------------------------------- 4. evaluation
@@ -447,3 +594,141 @@ def test_nonfinite_policy_sees_nan_weights_and_overflowing_outputs():
     with torch.no_grad():
         agent.critic.bias.fill_(float("nan"))
     assert utils.nonfinite_policy(agent, obs)
+
+
+# ----------------------------------------------------------------------------- 6. checkpoints hold plain data
+def test_rng_states_survive_the_weights_only_round_trip(tmp_path):
+    """What a resumed run restores is exactly what was saved: the next draws of Python's, numpy's
+    and torch's generators after loading equal those after saving."""
+    import random
+
+    import numpy as np
+
+    device = torch.device("cpu")
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    random.random(), np.random.normal(), torch.rand(3)  # numpy: a cached gaussian in the state too
+    states = utils.rng_states(device)
+    expected = (random.random(), np.random.normal(size=3).tolist(), torch.rand(3))
+    utils.save_checkpoint(tmp_path / "c.pt", valid_checkpoint("ppo_atari_native.py", rng=states))
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    state = utils.load_checkpoint(tmp_path / "c.pt", "ppo_atari_native.py", "Breakout-v5", resume=True)
+    utils.set_rng_states(state["rng"], device)
+    assert (random.random(), np.random.normal(size=3).tolist()) == expected[:2]
+    assert torch.equal(torch.rand(3), expected[2])
+
+
+def test_a_checkpoint_in_the_old_format_still_loads(tmp_path):
+    """Before this format, numpy's RNG state was stored as an array: the three numpy globals
+    that rebuild it are allowed, and the state restores."""
+    import numpy as np
+
+    np.random.seed(3)
+    old = valid_checkpoint("a2c_atari.py")
+    old["rng"]["numpy"] = np.random.get_state()
+    torch.save(old, tmp_path / "old.pt")
+    expected = np.random.random()
+    state = utils.load_checkpoint(tmp_path / "old.pt", "a2c_atari.py", "Breakout-v5", resume=True)
+    utils.set_rng_states(state["rng"], torch.device("cpu"))
+    assert np.random.random() == expected
+
+
+def test_loading_a_payload_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    torch.save({"script": "a2c_atari.py", "env_id": "Breakout-v5", "model": Payload(marker)}, tmp_path / "model.pt")
+    with pytest.raises(utils.UsageError, match=r"holds more than plain data \(posix.system\)"):
+        utils.load_checkpoint(tmp_path / "model.pt", "a2c_atari.py")
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- 7. runs and names
+def test_two_runs_in_the_same_second_get_two_directories(tmp_path, monkeypatch):
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.5)
+    args = SimpleNamespace(env_id="ALE/breakout-v5", exp_name="sweep", seed=1, runs_dir=str(tmp_path))
+    first, second, third = (utils.make_run_dir(args) for _ in range(3))
+    assert [first.name, second.name, third.name] == [
+        "Breakout-v5__sweep__1__1700000000",
+        "Breakout-v5__sweep__1__1700000000-2",
+        "Breakout-v5__sweep__1__1700000000-3",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, second.name, third.name]
+
+
+def test_two_runs_launched_together_write_two_directories(tmp_path):
+    """As a shell sweep launches them (`&`): same game, exp-name and seed, started together."""
+    script = "ppo_atari_baseline.py"
+    command = [sys.executable, str(ROOT / script), *CONFIGS[script].args, "--vector-mode", "sync"]
+    command += ["--total-timesteps", "64", "--runs-dir", str(tmp_path)]
+    procs = [subprocess.Popen(command, cwd=ROOT, env=script_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    dirs = sorted(tmp_path.iterdir())
+    assert len(dirs) == 2 and all((d / "model.pt").is_file() for d in dirs), dirs
+    assert {run_dir_of(SimpleNamespace(stdout=out)) for out, _ in outputs} == set(dirs)
+
+
+def test_the_first_line_says_where_it_runs_and_how_many_steps():
+    """The device (no CUDA here), the precision, the envs, and the steps that will really run: a
+    budget of 127 with a batch of 64 runs 64."""
+    args = SimpleNamespace(eval_checkpoint=None, env_id="Breakout-v5", batch_size=64, num_iterations=127 // 64)
+    line = utils.describe_run(args, torch.device("cpu"), "4 envs x 2 batches, 2 env threads")
+    if not torch.cuda.is_available():
+        assert line.startswith("cpu (no CUDA found), fp32, 4 envs x 2 batches, 2 env threads;")
+    assert line.endswith("Breakout-v5, 1 iteration of 64 steps = 64 agent steps")
+
+
+def test_a_lowercase_game_id_trains_under_the_canonical_name_and_evaluates(tmp_path):
+    script = "a2c_atari.py"
+    result = run_script(script, *CONFIGS[script].args, "--env-id", "ALE/breakout-v5", "--runs-dir", tmp_path)
+    run_dir = run_dir_of(result)
+    assert run_dir.name.startswith("Breakout-v5__a2c_atari__1__")
+    assert utils.load_checkpoint(run_dir / "model.pt", script)["env_id"] == "Breakout-v5"
+    # the checkpoint says its game: no --env-id needed, and the score is human-normalized
+    evaluated = run_script(script, "--eval-checkpoint", run_dir / "model.pt", "--eval-episodes", "1")
+    assert re.search(r"evaluation Breakout-v5: 1 games .* human-normalized -?\d", evaluated.stdout)
+
+
+def test_resume_takes_a_run_directory_and_refuses_a_finished_run(stopped_and_resumed):
+    script, run_dir = stopped_and_resumed.script, stopped_and_resumed.stopped.run_dir
+    model = run_dir / "model.pt"
+    if not model.is_file():
+        pytest.fail("the resumed run wrote no model.pt (see the stop-and-resume test)")
+    before = model.read_bytes()
+    result = run_script(script, *CONFIGS[script].args, "--resume", run_dir, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: checkpoint {str(run_dir)!r} ends a finished run ({budget(script):,} steps): nothing to resume"
+    ]
+    assert model.read_bytes() == before
+
+
+@pytest.mark.parametrize("script", [s for s in ("ppo_atari_native.py", "ppo_atari_baseline.py") if s in SCRIPTS])
+def test_a_second_ctrl_c_stops_at_once_with_one_line(script, tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / script), *CONFIGS[script].args, "--total-timesteps", "100000",
+         "--runs-dir", str(tmp_path)],
+        cwd=ROOT, env=script_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if "SPS:" in line:
+                break
+        children = descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.02)  # long enough for the first handler to run, far shorter than a clean stop
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pytest.fail("the run had already stopped cleanly before the second SIGINT")
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("stopped at once")]
+    assert len(lines) == 1 and re.fullmatch(r"stopped at once by a second SIGINT; last checkpoint: .+", lines[0])
+    deadline = time.monotonic() + 10
+    while still_running(children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not still_running(children), "env workers left behind"
