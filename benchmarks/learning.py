@@ -17,6 +17,7 @@ Run: python benchmarks/learning.py --total-timesteps 500000 --seeds 1 2
        (the first 500k steps of default 10M-step runs, stopped cleanly there)
      python benchmarks/learning.py --seeds 3 --variants a2c --append  (add runs to OUT.csv)
      python benchmarks/learning.py --plot-only  (redraw from OUT.csv)
+     python benchmarks/learning.py --from-run a2c 1 runs/RUN --append  (a run that already ran)
 """
 
 import argparse
@@ -54,20 +55,30 @@ PROGRESS = re.compile(r"step ([\d,]+)/")  # the scripts' progress line
 
 
 def returns_of(run_dir):
-    """(step, seconds since the run's first event, return) for every full game, in order."""
+    """(step, seconds of running since the run's first event, return) for every full game, in
+    order. A resumed run (--resume) starts its event file with TensorBoard's purge marker (a
+    SessionLog START at the checkpoint's step + 1): games the interrupted run logged from
+    there on are dropped, as TensorBoard drops them, and the time the run was down is not
+    counted."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.proto.event_pb2 import SessionLog
     from tensorboard.util import tensor_util
 
-    rows, start = [], None
+    rows, start, offset, last_wall = [], None, 0.0, None
     for path in sorted(Path(run_dir).glob("events.out.tfevents.*")):
         for event in EventFileLoader(str(path)).Load():
             start = event.wall_time if start is None else start
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                rows = [row for row in rows if row[0] < event.step]
+                if last_wall is not None:  # continue the clock from the last kept game
+                    offset = (rows[-1][1] if rows else 0.0) - (event.wall_time - start)
+            last_wall = event.wall_time
             for value in event.summary.value:
                 if value.tag == "charts/episodic_return":
                     number = value.simple_value if value.HasField("simple_value") else None
                     if number is None:
                         number = float(tensor_util.make_ndarray(value.tensor))
-                    rows.append((event.step, event.wall_time - start, number))
+                    rows.append((event.step, event.wall_time - start + offset, number))
     return rows
 
 
@@ -147,6 +158,11 @@ def interval(values):
     return float(values.mean()), T95[len(values) - 1] * float(values.std(ddof=1)) / np.sqrt(len(values))
 
 
+def bounds(mean, half, sign=""):
+    """'[low, high]' of a 95% interval; a difference is written with its sign (sign="+")."""
+    return "[no interval from 1 seed]" if np.isnan(half) else f"[{mean - half:{sign}.2f}, {mean + half:{sign}.2f}]"
+
+
 def summary(rows):
     runs = group(rows)
     finals = {key: float(np.mean([r for _, _, r in run[-WINDOW:]])) for key, run in runs.items()}
@@ -204,9 +220,8 @@ def summary(rows):
         shared = sorted(set(last_fifth[name]) & set(base))
         if name != "baseline" and shared:
             diff, diff_half = interval([last_fifth[name][s] - base[s] for s in shared])
-            paired = f"{diff:+.2f} [{diff - diff_half:+.2f}, {diff + diff_half:+.2f}] ({len(shared)} seeds)"
-        seeds = len(last_fifth[name])
-        lines.append(f"| {name} | {seeds} | {mean:.2f} [{mean - half:.2f}, {mean + half:.2f}] | {paired} |")
+            paired = f"{diff:+.2f} {bounds(diff, diff_half, '+')} ({len(shared)} seeds)"
+        lines.append(f"| {name} | {len(last_fifth[name])} | {mean:.2f} {bounds(mean, half)} | {paired} |")
     return "\n".join(lines)
 
 
@@ -230,10 +245,23 @@ def main():
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learning"))
     parser.add_argument("--plot-only", action="store_true", help="redraw the plot and summary from OUT.csv")
     parser.add_argument("--append", action="store_true", help="keep OUT.csv's other runs; replace only the ones rerun")
+    parser.add_argument(
+        "--from-run", nargs=3, metavar=("VARIANT", "SEED", "RUN_DIR"),
+        help="read one run that already ran (e.g. one resumed by hand after an interruption) into OUT.csv "
+        "instead of running it; with --append, OUT.csv's other runs are kept",
+    )  # fmt: skip
     args = parser.parse_args()
     out_csv, out_png = Path(args.out + ".csv"), Path(args.out + ".png")
 
-    if not args.plot_only:
+    if args.from_run:
+        name, seed, run_dir = args.from_run[0], int(args.from_run[1]), args.from_run[2]
+        rows = [row for row in read_rows(out_csv) if (row[0], int(row[1])) != (name, seed)] if args.append else []
+        rows += [(name, seed, int(step), round(wall, 2), ret) for step, wall, ret in returns_of(run_dir)]
+        with open(out_csv, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(COLUMNS)
+            writer.writerows(rows)
+    elif not args.plot_only:
         rows = []
         if args.append and out_csv.exists():  # runs take an hour each: add to a results file, run by run
             rerun = {(name, seed) for name in args.variants for seed in args.seeds}
@@ -250,7 +278,7 @@ def main():
     rows = read_rows(out_csv)
     print(
         f"Breakout-v5, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), no GPU, "
-        f"{time.strftime('%Y-%m-%d')}\n"
+        f"{time.strftime('%Y-%m-%d')}{' (drawn from OUT.csv; the runs may be older)' if args.plot_only else ''}\n"
     )
     print(summary(rows))
     try:
