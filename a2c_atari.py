@@ -171,7 +171,7 @@ class Agent(nn.Module):
 
     def get_action_and_value(self, x, action=None):
         # x * (1 / 255), as the rollout's kernels.push_frames scales the frames
-        x = (x * (1.0 / 255.0)).contiguous(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last) * (1.0 / 255.0)  # uint8 moved: 4x fewer bytes
         features = self.network[:7](x)  # the convolutions: bfloat16 under bf16 autocast
         # the rest in float32, as the rollout computes it: Linear(3136, 512) on the features as
         # they are (bf16 operands under autocast, the weight rounded like autocast rounds it)
