@@ -214,8 +214,6 @@ def parse_args() -> Args:
         raise utils.UsageError(
             f"--num-envs {args.num_envs} is not divisible by --num-gpu-batches {args.num_gpu_batches}"
         )
-    if args.driver not in ("auto", "single", "threads"):
-        raise utils.UsageError(f"--driver {args.driver!r}: expected auto, single or threads")
     args.batch_size = int(args.num_envs * args.num_steps)
     if args.eval_checkpoint is None and args.total_timesteps < args.batch_size:
         raise utils.UsageError(f"--total-timesteps {args.total_timesteps} is below one batch ({args.batch_size} steps)")
@@ -229,6 +227,7 @@ if __name__ == "__main__":
         args = parse_args()
         device = utils.resolve_device(args.device)
         precision = utils.resolve_precision(args.precision, device)
+        driver = utils.resolve_driver(args.driver, device, args.num_gpu_batches, args.single_threaded)
         checkpoint = None
         if args.resume is not None:
             checkpoint = utils.load_checkpoint(args.resume, script, args.env_id, Agent, resume=True)
@@ -272,9 +271,6 @@ if __name__ == "__main__":
     env_threads, first_core = utils.env_threads(
         1 if args.single_threaded else args.num_env_threads, device, num_batches, batch
     )
-    driver = "sequential" if args.single_threaded or num_batches == 1 else args.driver
-    if driver == "auto":
-        driver = "single" if device.type == "cuda" else "threads"
     graphs = args.cuda_graphs and device.type == "cuda"
     envs_text = f"{args.num_envs} envs x {num_batches} batches, {env_threads} env threads"
     envs_text += " pinned" if first_core is not None else ""

@@ -214,8 +214,6 @@ def parse_args() -> Args:
         raise utils.UsageError(
             f"--total-timesteps {args.total_timesteps} is below one batch ({args.batch_size * world_size} steps)"
         )
-    if args.driver not in ("auto", "single", "threads"):
-        raise utils.UsageError(f"--driver {args.driver!r}: expected auto, single or threads")
     if args.backend not in (None, "gloo", "nccl", "mpi"):
         raise utils.UsageError(f"--backend {args.backend!r}: expected gloo, nccl or mpi")
     args.minibatch_size = int(args.batch_size // args.num_minibatches)
@@ -257,6 +255,7 @@ if __name__ == "__main__":
         if distributed and args.eval_checkpoint is None:
             device = utils.torchrun_device(device)  # rank r on cuda:LOCAL_RANK
         precision = utils.resolve_precision(args.precision, device)
+        driver = utils.resolve_driver(args.driver, device, args.num_gpu_batches, args.single_threaded)
         checkpoint = None
         if args.resume is not None:
             checkpoint = utils.load_checkpoint(args.resume, script, args.env_id, Agent, resume=True)
@@ -317,9 +316,6 @@ if __name__ == "__main__":
     env_threads, first_core = utils.env_threads(
         1 if args.single_threaded else args.num_env_threads, device, num_batches, batch, local_rank, local_world_size
     )
-    driver = "sequential" if args.single_threaded or num_batches == 1 else args.driver
-    if driver == "auto":
-        driver = "single" if device.type == "cuda" else "threads"
     graphs = args.cuda_graphs and device.type == "cuda"
     if rank == 0:
         envs_text = f"{args.num_envs} envs x {num_batches} batches, {env_threads} env threads"

@@ -1110,6 +1110,18 @@ def cpu_has_bf16() -> bool:
     return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
 
 
+def resolve_driver(driver: str, device: torch.device, num_batches: int, single_threaded: bool) -> str:
+    """Who serves the env batches (see drive): auto -> one driver thread on CUDA, a worker
+    thread per batch elsewhere; one batch, or --single-threaded, runs them one after another."""
+    if driver not in ("auto", "single", "threads"):
+        raise UsageError(f"--driver {driver!r}: expected auto, single or threads")
+    if single_threaded or num_batches == 1:
+        return "sequential"
+    if driver == "auto":
+        return "single" if device.type == "cuda" else "threads"
+    return driver
+
+
 def resolve_precision(precision: str, device: torch.device) -> str:
     """auto -> bf16 where the hardware has it (CUDA sm_80 and newer; CPUs with AVX-512 BF16 or
     AMX), fp32 elsewhere; an explicit bf16 is refused on a GPU without it."""

@@ -73,3 +73,23 @@ def test_env_threads_are_a_budget_split_over_the_batches(monkeypatch):
     assert utils.env_threads(64, cuda, 8, 32) == (64, None)  # more than the cores: not pinned
     monkeypatch.setattr(utils.os, "sched_getaffinity", lambda pid: set(range(8, 16)))  # a cpuset: not pinned
     assert utils.env_threads(None, cuda, 2, 64) == (7, None)
+
+
+@pytest.mark.parametrize(
+    "driver, device, batches, single_threaded, resolved",
+    [
+        ("auto", "cuda:0", 8, False, "single"),  # on CUDA one thread serves every batch
+        ("auto", "cpu", 8, False, "threads"),  # on CPU a worker thread per batch
+        ("threads", "cuda:0", 8, False, "threads"),
+        ("single", "cpu", 2, False, "single"),
+        ("auto", "cuda:0", 1, False, "sequential"),
+        ("threads", "cpu", 4, True, "sequential"),
+    ],
+)
+def test_driver_resolves_by_device_and_batches(driver, device, batches, single_threaded, resolved):
+    assert utils.resolve_driver(driver, torch.device(device), batches, single_threaded) == resolved
+
+
+def test_an_unknown_driver_is_refused():
+    with pytest.raises(utils.UsageError, match="--driver 'fibers': expected auto, single or threads"):
+        utils.resolve_driver("fibers", torch.device("cpu"), 2, False)
