@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -36,6 +37,26 @@ def script_env(**extra):
     env.pop("TRITON_INTERPRET", None)
     env.update(extra)
     return env
+
+
+def stop_after_first_progress(script, args, sig, timeout=300):
+    """Run `python script args`, send `sig` at its first progress line (the end of its first
+    iteration), and wait for it to exit; returns its returncode, stdout and stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=script_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "SPS:" in line:
+                proc.send_signal(sig)
+                break
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return SimpleNamespace(returncode=proc.returncode, stdout="".join(lines) + out, stderr=err)
 
 
 def run_script(script, *args, timeout=600, env=None, check=True):

@@ -3,14 +3,12 @@
 import re
 import shlex
 import signal
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, assert_all_tags, read_scalars, run_dir_of, run_script, script_env
+from conftest import assert_all_tags, read_scalars, run_dir_of, run_script, stop_after_first_progress
 
 import a2c_atari as a2c
 
@@ -129,22 +127,11 @@ def test_a2c_bf16_stop_and_resume_as_tensorboard_shows_it(runs_dir):
     TensorBoard shows (it hides steps >= the resumed writer's purge_step) is one point per
     iteration, the checkpointed iteration's included, as in an uninterrupted run."""
     args = ["--num-envs", "4", "--num-steps", "5", "--total-timesteps", "400", "--log-interval", "1"]
-    command = [sys.executable, str(ROOT / "a2c_atari.py"), *args, "--precision", "bf16", "--runs-dir", str(runs_dir)]
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    stopped = stop_after_first_progress(
+        "a2c_atari.py", [*args, "--precision", "bf16", "--runs-dir", runs_dir], signal.SIGINT, timeout=120
     )
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "SPS:" in line:
-                proc.send_signal(signal.SIGINT)
-                break
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    stdout = "".join(lines) + out
-    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+    stdout, err = stopped.stdout, stopped.stderr
+    assert stopped.returncode == 0 and "Traceback" not in err, err[-2000:]
     match = re.search(r"stopped by SIGINT at step ([\d,]+); resume with: python a2c_atari.py (.+)", stdout)
     assert match and int(match.group(1).replace(",", "")) < 400, stdout[-2000:]
     resumed = run_script("a2c_atari.py", *shlex.split(match.group(2)))

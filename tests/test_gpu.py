@@ -16,13 +16,14 @@ a report.
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, assert_all_tags, read_scalars, run_dir_of, run_script, script_env
+from conftest import ROOT, assert_all_tags, read_scalars, run_dir_of, run_script, script_env, stop_after_first_progress
 
 pytestmark = [
     pytest.mark.cuda,
@@ -110,22 +111,12 @@ def test_stop_and_resume_on_cuda(runs_dir):
     """SIGTERM after the first iteration, then the printed resume command, to the end: the
     CUDA RNG state of this device is saved and restored."""
     args = [*HEADLINE, "--total-timesteps", str(6 * 2048), "--runs-dir", str(runs_dir)]
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "ppo_atari_native.py"), *args], cwd=ROOT, env=script_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if "SPS:" in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-    out, err = proc.communicate(timeout=300)
-    stdout = "".join(lines) + out
-    assert proc.returncode == 0, err[-3000:]
+    stopped = stop_after_first_progress("ppo_atari_native.py", args, signal.SIGTERM)
+    stdout = stopped.stdout
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
     match = re.search(r"resume with: python ppo_atari_native.py (.+)", stdout)
     assert match, stdout[-2000:]
-    resumed = run_script("ppo_atari_native.py", *match.group(1).split())
+    resumed = run_script("ppo_atari_native.py", *shlex.split(match.group(1)))
     assert "saved" in resumed.stdout
     state = torch.load(run_dir_of(resumed) / "model.pt", map_location="cpu", weights_only=True)
     assert state["global_step"] == 6 * 2048 and state["rng"]["cuda"].dtype == torch.uint8
