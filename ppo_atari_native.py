@@ -248,7 +248,8 @@ def all_reduce_gradients(parameters, world_size):
 
 if __name__ == "__main__":
     script = Path(__file__).name
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # any torchrun process, even a lone one, joins a process group: one GPU runs the NCCL path too
+    distributed = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         args = parse_args()
         device = utils.resolve_device(args.device)
