@@ -917,6 +917,7 @@ def warm_up(step, num_steps, num_batches, streams):
     thread or CUDA graph capture: Triton compiles each kernel specialization at its first
     launch (not thread-safe, and the storage views' alignment differs with t and b, so there
     are several) and cuDNN picks its algorithms. What it writes is overwritten later."""
+    fork_streams(streams)  # the buffers, storage and weights were made on the default stream
     for b, stream in enumerate(streams):
         with on_stream(stream):
             for t in range(num_steps):
