@@ -268,11 +268,11 @@ if __name__ == "__main__":
     # how the envs are stepped: C++ env threads, and who serves the env batches
     num_batches = args.num_gpu_batches
     batch = args.num_envs // num_batches
-    env_threads, first_core = utils.env_threads(
+    threads_per_batch, first_core = utils.env_threads(
         1 if args.single_threaded else args.num_env_threads, device, num_batches, batch
     )
     graphs = args.cuda_graphs and device.type == "cuda"
-    envs_text = f"{args.num_envs} envs x {num_batches} batches, {env_threads} env threads"
+    envs_text = f"{args.num_envs} envs x {num_batches} batches, {utils.threads_text(threads_per_batch)}"
     envs_text += " pinned" if first_core is not None else ""
     envs_text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}"
     print(utils.describe_run(args, device, envs_text, precision), flush=True)
@@ -294,7 +294,7 @@ if __name__ == "__main__":
     # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
     env_seed = args.seed + 1_000_003 * start_iteration
     envs = utils.ThreadedAtariEnvs(
-        args.env_id, args.num_envs, num_batches, env_threads, env_seed,
+        args.env_id, args.num_envs, num_batches, sum(threads_per_batch), env_seed,
         life_loss_terminal=args.life_loss_terminal, serial=args.single_threaded, first_core=first_core,
     )  # fmt: skip
     num_actions = envs.num_actions

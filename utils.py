@@ -755,20 +755,20 @@ class ThreadedAtariEnvs:
         self.batch_size = num_envs // num_batches
         self.slices = [slice(b * self.batch_size, (b + 1) * self.batch_size) for b in range(num_batches)]
         self.life_loss_terminal = life_loss_terminal
-        # num_threads in all, split evenly: at least one per batch, at most one per env; with
-        # first_core, batch b's threads are pinned to their own cores from first_core on
-        self.threads_per_batch = max(1, min(num_threads // num_batches, self.batch_size))
+        self.threads_per_batch = split_threads(num_threads, num_batches, self.batch_size)
+        # with first_core, batch b's threads are pinned to its own cores, after the earlier batches'
+        offsets = np.cumsum([0, *self.threads_per_batch[:-1]])
         self.envs = [
             AtariVectorEnv(
                 rom_id(env_id),
                 self.batch_size,
                 **ALE_V5,
-                num_threads=self.threads_per_batch,
-                thread_affinity_offset=-1 if first_core is None else first_core + b * self.threads_per_batch,
+                num_threads=threads,
+                thread_affinity_offset=-1 if first_core is None else first_core + int(offsets[b]),
                 stack_num=1,
                 life_loss_info=life_loss_terminal,
             )
-            for b in range(num_batches)
+            for b, threads in enumerate(self.threads_per_batch)
         ]
         self.num_actions = int(self.envs[0].single_action_space.n)
         self.seed = seed
@@ -839,8 +839,44 @@ class ThreadedAtariEnvs:
             env.close()
 
 
+def split_threads(num_threads, num_batches, batch_size) -> list[int]:
+    """num_threads env threads over the batches: batch b gets q + (b < r) of them, where
+    q, r = divmod(num_threads, num_batches), so none is left idle; at least 1, at most one per env."""
+    q, r = divmod(num_threads, num_batches)
+    return [max(1, min(q + (b < r), batch_size)) for b in range(num_batches)]
+
+
+def threads_text(threads_per_batch) -> str:
+    """The env threads for the first line: '15 env threads (2,2,2,2,2,2,2,1 per batch)'."""
+    return f"{sum(threads_per_batch)} env threads ({','.join(map(str, threads_per_batch))} per batch)"
+
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "quota period", or "max period"
+CGROUP_V1_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")  # -1: no quota
+
+
+def usable_cores() -> tuple[int, bool]:
+    """(CPUs this process may use, whether it owns every core of the machine): the affinity mask,
+    capped by a cgroup CPU quota, which containers on big hosts often use instead of a cpuset."""
+    affinity = os.sched_getaffinity(0)
+    cores, quota = len(affinity), None
+    try:
+        if CGROUP_CPU_MAX.exists():
+            limit, period = CGROUP_CPU_MAX.read_text().split()[:2]
+            quota = None if limit == "max" else int(limit) / int(period)
+        elif CGROUP_V1_QUOTA.exists():
+            limit = int(CGROUP_V1_QUOTA.read_text())
+            period = int(CGROUP_V1_QUOTA.with_name("cpu.cfs_period_us").read_text())
+            quota = None if limit <= 0 else limit / period
+    except (OSError, ValueError):
+        quota = None
+    if quota is not None and quota < cores:
+        return max(1, math.ceil(quota)), False  # CPU time, not cores: never pin
+    return cores, affinity == set(range(os.cpu_count() or 1))
+
+
 def env_threads(requested, device, num_batches, batch_size, local_rank=0, local_world_size=1):
-    """(C++ env threads in all, first core to pin them from or None) for one process.
+    """(C++ env threads of each batch, first core to pin them from or None) for one process.
 
     On CUDA the default is this process's share of the cores but one, which its driver thread
     keeps (under torchrun the cores are shared by the processes on the machine), and the
@@ -848,14 +884,13 @@ def env_threads(requested, device, num_batches, batch_size, local_rank=0, local_
     On CPU the default gives each batch min(cores, its size) threads, unpinned: inference runs
     on the same cores, and this was measured fastest on 2 cores (1 or 3 threads per batch were
     not faster)."""
-    cores = len(os.sched_getaffinity(0))
+    cores, whole_machine = usable_cores()
     share = max(1, cores // local_world_size)
     if requested is None:
         requested = max(num_batches, share - 1) if device.type == "cuda" else num_batches * min(cores, batch_size)
-    whole_machine = os.sched_getaffinity(0) == set(range(os.cpu_count() or 1))
-    per_batch = max(1, min(requested // num_batches, batch_size))
-    pinned = device.type == "cuda" and whole_machine and per_batch * num_batches <= share - 1
-    return requested, (local_rank * share if pinned else None)
+    per_batch = split_threads(requested, num_batches, batch_size)
+    pinned = device.type == "cuda" and whole_machine and sum(per_batch) <= share - 1
+    return per_batch, (local_rank * share if pinned else None)
 
 
 # ----------------------------------------------------------------------------- GPU batching

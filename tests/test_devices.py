@@ -3,6 +3,9 @@ suite checks what every GPU run depends on: a CUDA device always has an index (t
 torch.cuda.set_device raised ValueError for an index-less one: every native and A2C run on a
 GPU crashed while CI was green), and torchrun maps processes onto GPUs or refuses."""
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -60,19 +63,99 @@ def test_torchrun_with_more_processes_than_gpus_is_refused(two_gpus, monkeypatch
         utils.torchrun_device(torch.device("cuda", 1))
 
 
-def test_env_threads_are_a_budget_split_over_the_batches(monkeypatch):
-    """On CUDA the default is the cores but the driver's, pinned when the process owns every
-    core; on CPU each batch gets min(cores, its size); an explicit total is split, at least one
-    thread per batch; under torchrun each local rank gets its share of the cores."""
+@pytest.fixture
+def sixteen_cores(monkeypatch, tmp_path):
+    """A 16-core machine that this process owns whole, with no cgroup CPU quota."""
     monkeypatch.setattr(utils.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.setattr(utils.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(utils, "CGROUP_CPU_MAX", tmp_path / "cpu.max")
+    monkeypatch.setattr(utils, "CGROUP_V1_QUOTA", tmp_path / "cpu.cfs_quota_us")
+    return tmp_path
+
+
+def test_env_threads_are_a_budget_split_over_the_batches(sixteen_cores, monkeypatch):
+    """On CUDA the default is the cores but the driver's, all of them used and pinned when the
+    process owns every core; on CPU each batch gets min(cores, its size); an explicit total is
+    split with the remainder going to the first batches, at least one thread per batch and at
+    most one per env; under torchrun each local rank gets its share of the cores."""
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert utils.env_threads(None, cuda, 8, 2) == (15, 0)
-    assert utils.env_threads(None, cuda, 2, 128, local_rank=1, local_world_size=2) == (7, 8)
-    assert utils.env_threads(None, cpu, 2, 8) == (16, None)
-    assert utils.env_threads(64, cuda, 8, 32) == (64, None)  # more than the cores: not pinned
+    assert utils.env_threads(None, cuda, 8, 2) == ([2, 2, 2, 2, 2, 2, 2, 1], 0)  # the headline: 15 threads
+    assert utils.env_threads(None, cuda, 4, 4) == ([4, 4, 4, 3], 0)
+    assert utils.env_threads(None, cuda, 2, 128, local_rank=1, local_world_size=2) == ([4, 3], 8)
+    assert utils.env_threads(None, cpu, 2, 8) == ([8, 8], None)
+    assert utils.env_threads(64, cuda, 8, 32) == ([8] * 8, None)  # more than the cores: not pinned
+    assert utils.env_threads(64, cuda, 8, 1) == ([1] * 8, 0)  # at most one per env
+    assert utils.env_threads(3, cuda, 8, 2) == ([1] * 8, 0)  # at least one per batch
     monkeypatch.setattr(utils.os, "sched_getaffinity", lambda pid: set(range(8, 16)))  # a cpuset: not pinned
-    assert utils.env_threads(None, cuda, 2, 64) == (7, None)
+    assert utils.env_threads(None, cuda, 2, 64) == ([4, 3], None)
+
+
+@pytest.mark.parametrize(
+    "files, cores",
+    [
+        ({"cpu.max": "400000 100000\n"}, 4),  # cgroup v2: 4 CPUs of time
+        ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: rounded up
+        ({"cpu.max": "max 100000\n"}, 16),  # no quota
+        ({"cpu.cfs_quota_us": "800000\n", "cpu.cfs_period_us": "100000\n"}, 8),  # cgroup v1
+        ({"cpu.cfs_quota_us": "-1\n", "cpu.cfs_period_us": "100000\n"}, 16),
+    ],
+)
+def test_a_cgroup_cpu_quota_caps_the_cores_and_stops_pinning(sixteen_cores, files, cores):
+    """A container limited by CPU time sees every host core in its affinity mask: the quota
+    is the real budget, and pinning to cores other containers also run on would be wrong."""
+    for name, text in files.items():
+        (sixteen_cores / name).write_text(text)
+    assert utils.usable_cores() == (cores, cores == 16)
+    per_batch, first_core = utils.env_threads(None, torch.device("cuda", 0), 2, 64)
+    assert sum(per_batch) == max(2, cores - 1) and (first_core is None) == (cores < 16)
+
+
+def test_threaded_envs_pin_each_batch_after_the_previous_ones(monkeypatch):
+    """Batch b's C++ threads start at first_core plus the earlier batches' threads."""
+    import ale_py.vector_env
+
+    made = []
+
+    class FakeVectorEnv:
+        single_action_space = SimpleNamespace(n=4)
+
+        def __init__(self, game, num_envs, num_threads, thread_affinity_offset, **kwargs):
+            made.append((num_envs, num_threads, thread_affinity_offset))
+
+    monkeypatch.setattr(ale_py.vector_env, "AtariVectorEnv", FakeVectorEnv)
+    envs = utils.ThreadedAtariEnvs("Breakout-v5", 16, 8, 15, seed=0, first_core=1)
+    assert envs.threads_per_batch == [2, 2, 2, 2, 2, 2, 2, 1]
+    assert made == [(2, 2, 1), (2, 2, 3), (2, 2, 5), (2, 2, 7), (2, 2, 9), (2, 2, 11), (2, 2, 13), (2, 1, 15)]
+    made.clear()
+    utils.ThreadedAtariEnvs("Breakout-v5", 16, 8, 15, seed=0)
+    assert [offset for *_, offset in made] == [-1] * 8  # unpinned
+
+
+def test_threads_text_names_each_batch():
+    assert utils.threads_text([2, 2, 1]) == "5 env threads (2,2,1 per batch)"
+
+
+def test_warm_up_orders_every_batch_stream_after_the_default_stream(monkeypatch):
+    """The buffers, storage and weights were written on the default stream: each batch stream
+    must wait for it before its first step (CUDA simulated: streams that log what happens)."""
+    log = []
+
+    class FakeStream:
+        def __init__(self, name):
+            self.name, self.device = name, torch.device("cuda", 0)
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    default = FakeStream("default")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: default)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext(log.append(("on", stream.name))))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    streams = [FakeStream(0), FakeStream(1)]
+    utils.warm_up(lambda t, b: log.append(("step", t, b)), 2, 2, streams)
+    for b in (0, 1):
+        first_step = log.index(("step", 0, b))
+        assert ("wait", b, "default") in log[:first_step], log
 
 
 @pytest.mark.parametrize(
