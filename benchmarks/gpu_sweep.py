@@ -2,7 +2,7 @@
 
 For num-envs {16, 64, 128, 256, 512} x num-gpu-batches {1, 2, 4, 8} (where they divide), one
 run of ppo_atari_native.py per cell (Breakout-v5, the script's defaults otherwise: one driver
-thread, CUDA graphs, bf16 where the GPU has it, env threads = cores - 1) gives:
+thread, CUDA graphs, bf16 where the GPU has it, env threads = usable cores - 1) gives:
 - end to end: steps/s between its first and last progress line (the first iteration, with the
   start-up, left out);
 - rollout only: the progress line's rollout figure (steps over the time spent collecting);
@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import utils
 
 NUM_ENVS = [16, 64, 128, 256, 512]
 BATCHES = [1, 2, 4, 8]
@@ -40,14 +42,16 @@ def run(script, extra, budget, runs_dir):
     first and last progress line, rollout from the last line's rollout figure."""
     command = [sys.executable, str(ROOT / script), *map(str, extra), "--total-timesteps", str(budget)]
     command += ["--runs-dir", runs_dir]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    marks = []
+    # one pipe for both: a child that fills an unread stderr pipe would block, and this with it
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marks, tail = [], deque(maxlen=40)
     for line in process.stdout:
+        tail.append(line)
         match = PROGRESS.search(line)
         if match:
             marks.append((int(match.group(1).replace(",", "")), time.perf_counter(), int(match.group(3) or 0)))
     if process.wait() != 0 or len(marks) < 2:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{process.stderr.read()[-2000:]}")
+        raise RuntimeError(f"{' '.join(command)} failed:\n{''.join(tail)[-2000:]}")
     (step0, t0, _), (step1, t1, rollout) = marks[0], marks[-1]
     return (step1 - step0) / (t1 - t0), rollout
 
@@ -75,7 +79,7 @@ def main():
         print("gpu_sweep: CUDA is not available on this machine; nothing measured.")
         return
     envs_list, batches_list = QUICK if args.quick else (NUM_ENVS, BATCHES)
-    threads = max(1, len(os.sched_getaffinity(0)) - 1)  # the native script's default on CUDA
+    threads = max(1, utils.usable_cores()[0] - 1)  # the native script's default on CUDA
     start = time.perf_counter()
     lines = [
         f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
