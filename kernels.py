@@ -22,11 +22,12 @@ torch reference.
 Precision. Outputs are float32. `linear_gelu` takes float32 or bfloat16 operands (x and weight
 alike) and adds up in float32: bfloat16 on tensor cores; float32 as "tf32x3" on sm_80 and newer
 (three tensor-core passes, float32 accuracy: products within ~1e-6, the project's policy is no
-TF32 rounding for fp32) and as "ieee" FMA loops on sm_75 and in the interpreter. The heads and
-the sampler read float32 or bfloat16 and compute in float32. The training network computes the
-same function in the same precision (see the Agent's `hidden` in the scripts), so rollout
-log-probs equal the learner's: to ~1e-6 in fp32, and in bf16 up to the convolutions' bf16
-rounding of outputs when cuDNN adds up in another order.
+TF32 rounding for fp32) and as "ieee" FMA loops on sm_75 and in the interpreter. With bfloat16
+operands it rounds the bias, the sum and the GELU to bfloat16, as torch.autocast runs Linear and
+GELU. The heads and the sampler read float32 or bfloat16 and compute in float32. The training
+network computes the same function in the same precision (the Agent's `forward`: under bf16
+autocast, heads in float32), so rollout log-probs equal the learner's: to ~1e-6 in fp32, and in
+bf16 up to a bf16 rounding step where another order of sums lands on the other side of it.
 
 Sampling rule, shared by kernel and reference (one exact formulation, so both pick the same
 action for the same uniform u, up to float rounding at CDF boundaries). Per row, with
@@ -141,6 +142,15 @@ def _check_positive(name, value):
 
 
 @triton.jit
+def _round_to_bf16(x):
+    """float32 rounded to the nearest bfloat16 (ties to even), kept in float32; in integer
+    ops, since Triton's interpreter truncates in .to(tl.bfloat16)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def linear_gelu_kernel(
     x_ptr,  # [B, K], float32 or bfloat16
     w_ptr,  # [N, K], the same dtype
@@ -180,9 +190,17 @@ def linear_gelu_kernel(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    bias = tl.load(b_ptr + offs_n, mask=n_ok, other=0.0)
+    ROUND: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16  # as bf16 autocast: bias, sum, GELU rounded
+    if ROUND:
+        bias = _round_to_bf16(bias)
+    acc += bias[None, :]
+    if ROUND:
+        acc = _round_to_bf16(acc)
     # Exact GELU, the same formula as torch.nn.GELU(): x * 0.5 * (1 + erf(x / sqrt(2))).
     y = acc * 0.5 * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    if ROUND:
+        y = _round_to_bf16(y)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(out_ptrs, y, mask=m_ok[:, None] & n_ok[None, :])
 
@@ -248,13 +266,20 @@ def linear_gelu(x, weight, bias, out=None):
 
 def linear_gelu_reference(x, weight, bias, out=None):
     """Torch reference for `linear_gelu` (no argument checks): addmm in float32, then GELU in
-    place. bfloat16 operands are widened first (exactly), so the sums are float32's.
+    place. bfloat16 operands are widened first (exactly), so the sums are float32's; and with
+    them the bias, the sum and the GELU are rounded to bfloat16, as under bf16 autocast.
 
     The same ops as the training network's float32 Linear + GELU, so CPU results equal it bit
     for bit. (aten._addmm_activation(use_gelu=True) fuses both but differed by ~2e-6 at B=1.)
     """
+    if x.dtype == torch.bfloat16:
+        bias = bias.bfloat16().float()
     out = torch.addmm(bias, x.float(), weight.float().t(), out=out)
+    if x.dtype == torch.bfloat16:
+        out.copy_(out.bfloat16())
     torch.ops.aten.gelu_(out)
+    if x.dtype == torch.bfloat16:
+        out.copy_(out.bfloat16())
     return out
 
 
@@ -601,7 +626,7 @@ def push_frames_reference(prev, staged, obs_out, x_out, shift=True):
 
 
 # ---------------------------------------------------------------------------------------
-# 5. The fused policy step, for the Nature CNN agent of the native scripts
+# 5. The rollout's policy step: fused for the native scripts' network, or the Agent's forward
 # ---------------------------------------------------------------------------------------
 
 
@@ -688,6 +713,118 @@ def policy_step(w, buf, prev_obs, obs_out, uniform, action_out, logprob_out, val
         logits_out=buf.logits, value_out=value_out,
     )  # fmt: skip
     sample_logits(buf.logits, uniform, action_out, logprob_out, buf.entropy)
+
+
+@torch.no_grad()
+def module_policy_step(agent, buf, prev_obs, obs_out, uniform, action_out, logprob_out, value_out, shift=True):
+    """The general path, with `policy_step`'s contract: the frames pushed as there, then the
+    agent's own forward (any network) for logits and value, under bf16 autocast where the
+    rollout runs bf16, as the learner runs it; sampling as there, from the same uniforms."""
+    push_frames(prev_obs, buf.staged, obs_out, buf.x, shift)
+    bf16 = buf.x.dtype == torch.bfloat16  # (a CUDA graph needs autocast's cast cache off)
+    with torch.autocast(obs_out.device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+        logits, value = agent(obs_out)
+    sample_logits(logits.float(), uniform, action_out, logprob_out, buf.entropy)
+    value_out.copy_(value.view(-1))
+
+
+# The one network `policy_step` computes, layer by layer (the native scripts' Agent.network).
+FUSED_NETWORK = [
+    "Conv2d(4, 32, kernel_size=(8, 8), stride=(4, 4))", "ReLU", "Conv2d(32, 64, kernel_size=(4, 4), stride=(2, 2))",
+    "ReLU", "Conv2d(64, 64, kernel_size=(3, 3), stride=(1, 1))", "ReLU", "Flatten(start_dim=1, end_dim=-1)",
+    "Linear(in_features=3136, out_features=512, bias=True)", "GELU(approximate='none')",
+]  # fmt: skip
+
+
+def _layer(module):
+    """A layer as FUSED_NETWORK names it: its repr, and a bare ReLU (in place or not) as ReLU."""
+    return "ReLU" if type(module) is torch.nn.ReLU else repr(module)
+
+
+def fused_mismatch(agent):
+    """None if `agent` is the network `policy_step` computes (the modules: types, shapes,
+    activations, nothing extra), else its first difference, in words."""
+    network = getattr(agent, "network", None)
+    if not isinstance(network, torch.nn.Sequential):
+        return "agent.network is not an nn.Sequential"
+    for i, want in enumerate(FUSED_NETWORK):
+        if i == len(network):
+            return f"network ends at [{i}], the fused step computes {want} there"
+        got = _layer(network[i])
+        if got != want:
+            name = lambda layer: layer.split("(")[0]  # noqa: E731
+            got, want = (got, want) if name(got) == name(want) else (name(got), name(want))
+            return f"network[{i}] is {got}, the fused step computes {want}"
+    if len(network) > len(FUSED_NETWORK):
+        extra = _layer(network[len(FUSED_NETWORK)]).split("(")[0]
+        return f"network[{len(FUSED_NETWORK)}] is {extra}, after the layers the fused step computes"
+    extra = [name for name, _ in agent.named_children() if name not in ("network", "actor", "critic")]
+    if extra:
+        return f"agent.{extra[0]} is not part of the fused step"
+    for name, outputs in (("actor", None), ("critic", 1)):
+        head = getattr(agent, name, None)
+        if type(head) is not torch.nn.Linear or head.in_features != 512 or outputs not in (None, head.out_features):
+            return f"agent.{name} is {head!r}, the fused step computes Linear(512, {outputs or 'actions'})"
+    hooked = [name for name, m in agent.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    if hooked:
+        return f"{hooked[0] or 'agent'} has a forward hook, which the fused step does not run"
+    return None
+
+
+class PolicyMismatch(ValueError):
+    """The rollout's step would not sample from the policy the learner trains."""
+
+
+def probe_mismatch(step, agent, frames, dtype, tolerance):
+    """None if `step` (with policy_step's contract) gives, on these frames (uint8 stacks), the
+    log-probs and values of agent.get_action_and_value for the actions it sampled, else how far
+    apart they are. The learner's side runs as the update runs it (bf16 autocast in bf16)."""
+    n, device = len(frames), frames.device
+    buf = inference_buffers(n, agent.actor.out_features, dtype, device)
+    uniform = torch.rand(n, generator=torch.Generator().manual_seed(0)).to(device)
+    action, logprob, value = (torch.empty(n, dtype=torch.long, device=device), torch.empty(n, device=device),
+                              torch.empty(n, device=device))  # fmt: skip
+    step(buf, frames, torch.empty_like(frames), uniform, action, logprob, value, shift=False)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        _, expected_logprob, _, expected_value = agent.get_action_and_value(frames, action)
+    logprob_gap = (logprob - expected_logprob).abs().max().item()
+    value_gap = ((value - expected_value.view(-1)).abs() / (1 + expected_value.view(-1).abs())).max().item()
+    if not logprob_gap <= tolerance or not value_gap <= tolerance:  # (NaN is a mismatch)
+        return f"log-probs {logprob_gap:.2g} and values {value_gap:.2g} (relative) apart"
+    return None
+
+
+def rollout_policy(choice, agent, dtype, frames):
+    """The rollout's policy step for `agent`: the fused `policy_step` (choice "fused", or "auto"
+    when the agent is the network it mirrors and computes what get_action_and_value does on
+    `frames`), else `module_policy_step`, which runs the agent's own forward ("module").
+    Either way checked on `frames` against get_action_and_value: a step that would sample
+    from another policy than the learner's raises PolicyMismatch.
+
+    Returns .name ("fused" or "module"), .reason (why not fused, or None), .dtype, .step(buf,
+    prev_obs, obs_out, uniform, action_out, logprob_out, value_out, shift) and .refresh(),
+    which the script calls before each rollout (the fused step reads its own weight copy).
+    """
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: cuDNN's order of sums at other batch sizes
+    reason = None if choice == "module" else fused_mismatch(agent)
+    if reason is None and choice != "module":
+        weights = inference_weights(agent, dtype)
+        step = functools.partial(policy_step, weights)
+        gap = probe_mismatch(step, agent, frames, dtype, tolerance)
+        reason = gap and f"the fused step and Agent.get_action_and_value give {gap}"
+        if reason is None:
+            refresh = functools.partial(refresh_inference_weights, weights)
+            return SimpleNamespace(name="fused", reason=None, dtype=dtype, step=step, refresh=refresh)
+    if choice == "fused":
+        raise PolicyMismatch(f"--policy fused: {reason}; use --policy auto or module")
+    step = functools.partial(module_policy_step, agent)
+    gap = probe_mismatch(step, agent, frames, dtype, tolerance)
+    if gap is not None:
+        raise PolicyMismatch(
+            f"policy: Agent.forward (what the rollout samples from) and Agent.get_action_and_value (what the "
+            f"learner trains) give {gap}: get_action_and_value must sample from forward()'s logits"
+        )
+    return SimpleNamespace(name="module", reason=reason, dtype=dtype, step=step, refresh=lambda: None)
 
 
 # ---------------------------------------------------------------------------------------

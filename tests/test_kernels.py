@@ -102,9 +102,11 @@ def test_linear_gelu_matches_float64(B, K, N):
 
 
 @pytest.mark.parametrize("B", [1, 20, 257])
-def test_linear_gelu_bf16_operands_add_up_in_float32(B):
-    """bf16 x and weight: the products are exact in float32, so the result equals float64 on
-    the same (rounded) operands to float32 summation error, and the reference agrees."""
+def test_linear_gelu_bf16_is_what_bf16_autocast_computes(B):
+    """bf16 x and weight: exact products added up in float32, and the bias, the sum and the
+    GELU rounded to bfloat16, as torch.autocast runs Linear + GELU (the training network in
+    bf16). Against float64 on the same operands, rounded the same way: equal but where float32
+    summation lands a sum on the other side of a bf16 rounding boundary (one bf16 step)."""
     K, N = 3136, 512
     x = randn(B, K, seed=B).bfloat16()
     weight = randn(N, K, seed=B + 1, scale=1 / math.sqrt(K)).bfloat16()
@@ -112,9 +114,18 @@ def test_linear_gelu_bf16_operands_add_up_in_float32(B):
     out = poisoned(B, N)
     result, n = launches(lambda: kernels.linear_gelu(x, weight, bias, out=out))
     assert result is out and n == 1 and out.dtype == torch.float32
-    expected = torch.nn.functional.gelu(x.double() @ weight.double().T + bias.double())
-    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
-    torch.testing.assert_close(kernels.linear_gelu_reference(x, weight, bias), out, rtol=1e-5, atol=2e-5)
+    bf16 = lambda t: t.bfloat16().double()  # noqa: E731
+    expected = bf16(torch.nn.functional.gelu(bf16(x.double() @ weight.double().T + bf16(bias))))
+    assert torch.equal(bf16(out), out.double()), "not rounded to bfloat16"
+    assert (out.double() != expected).float().mean() < 0.01
+    torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias))
+    assert (autocast.float() != out).float().mean() < 0.01
+    torch.testing.assert_close(autocast.float(), out, rtol=2**-7, atol=1e-3)
+    reference = kernels.linear_gelu_reference(x, weight, bias)
+    assert (reference != out).float().mean() < 0.01
+    torch.testing.assert_close(reference, out, rtol=2**-7, atol=1e-3)
 
 
 def test_linear_gelu_allocates_output():
