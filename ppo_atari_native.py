@@ -38,7 +38,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.optim as optim
 from torch.distributions.categorical import Categorical
 from torch.utils.tensorboard import SummaryWriter
@@ -77,6 +76,8 @@ class Args:
     """auto, fp32 or bf16 (auto: bf16 where the GPU or CPU has it natively, fp32 elsewhere)"""
     cuda_graphs: bool = True
     """on CUDA, replay each batch-step's device work as a captured CUDA graph (off: launch its kernels one by one)"""
+    policy: str = "auto"
+    """the rollout's policy step: fused (the kernels, for the network they mirror), module (Agent.forward), auto"""
     driver: str = "auto"
     """who serves the env batches: single (one thread in turn), threads (one each), auto (CUDA: single; else threads)"""
     profile: bool = False
@@ -140,7 +141,8 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 
 
 class Agent(nn.Module):
-    """Nature CNN -> Linear(3136, 512) + GELU -> actor and critic heads (all scripts share it)."""
+    """Nature CNN -> Linear(3136, 512) + GELU -> actor and critic heads. The rollout's fused step
+    (kernels.policy_step) computes exactly this network; edit it, and the rollout runs forward()."""
 
     def __init__(self, num_actions):
         super().__init__()
@@ -158,21 +160,20 @@ class Agent(nn.Module):
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
-    def get_action_and_value(self, x, action=None):
-        # x * (1 / 255), as the rollout's kernels.push_frames scales the frames
-        x = x.contiguous(memory_format=torch.channels_last) * (1.0 / 255.0)  # uint8 moved: 4x fewer bytes
-        features = self.network[:7](x)  # the convolutions: bfloat16 under bf16 autocast
-        # the rest in float32, as the rollout computes it: Linear(3136, 512) on the features as
-        # they are (bf16 operands under autocast, the weight rounded like autocast rounds it)
-        # adding up in float32, then GELU, heads and the distribution in float32
+    def forward(self, x):
+        """Logits and value of uint8 frame stacks. Under bf16 autocast (--precision bf16) the
+        network runs in bfloat16; the heads always in float32."""
+        hidden = self.network(x.contiguous(memory_format=torch.channels_last) * (1.0 / 255.0))
         with torch.autocast(x.device.type, enabled=False):
-            fc = self.network[7]
-            hidden = self.network[8](F.linear(features.float(), fc.weight.to(features.dtype).float(), fc.bias))
-            logits = self.actor(hidden)
-            probs = Categorical(logits=logits, validate_args=False)  # NaNs reach the non-finite checks
-            if action is None:
-                action = probs.sample()
-            return action, probs.log_prob(action), probs.entropy(), self.critic(hidden)
+            hidden = hidden.float()
+            return self.actor(hidden), self.critic(hidden)
+
+    def get_action_and_value(self, x, action=None):
+        logits, value = self(x)
+        probs = Categorical(logits=logits, validate_args=False)  # NaNs reach the non-finite checks
+        if action is None:
+            action = probs.sample()
+        return action, probs.log_prob(action), probs.entropy(), value
 
 
 def gae(rewards, values, dones, gamma, gae_lambda):
@@ -198,6 +199,8 @@ def parse_args() -> Args:
     args = utils.cli(Args)  # tyro.cli, with its errors as one line
     utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir
     utils.check_capture_video(args.capture_video, args.eval_checkpoint)
+    if args.policy not in ("auto", "fused", "module"):
+        raise utils.UsageError(f"--policy {args.policy!r}: expected auto, fused or module")
     if args.num_envs % args.num_gpu_batches:
         raise utils.UsageError(
             f"--num-envs {args.num_envs} is not divisible by --num-gpu-batches {args.num_gpu_batches}"
@@ -318,10 +321,18 @@ if __name__ == "__main__":
         1 if args.single_threaded else args.num_env_threads, device, num_batches, batch, local_rank, local_world_size
     )
     graphs = args.cuda_graphs and device.type == "cuda"
+    # the rollout's policy step: the fused kernels where the Agent is the network they mirror
+    # (checked on real frames), else the Agent's own forward; never another policy than the learner's
+    agent = Agent(utils.num_actions(args.env_id)).to(device, memory_format=torch.channels_last)
+    try:
+        policy = kernels.rollout_policy(args.policy, agent, dtype, utils.probe_frames(args.env_id, batch, device))
+    except kernels.PolicyMismatch as e:
+        utils.fail(str(e))
     if rank == 0:
         envs_text = f"{args.num_envs} envs x {num_batches} batches, {utils.threads_text(threads_per_batch)}"
         envs_text += " pinned" if first_core is not None else ""
         envs_text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}"
+        envs_text += f", policy {policy.name}" + (f" ({policy.reason})" if policy.reason else "")
         print(utils.describe_run(args, device, envs_text, precision, world_size), flush=True)
 
     # log setup: a resumed run continues in its own directory and step count
@@ -352,8 +363,7 @@ if __name__ == "__main__":
     )  # fmt: skip
     num_actions = envs.num_actions
 
-    # agent and optimizer
-    agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
+    # optimizer
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=device.type == "cuda")
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])
@@ -391,13 +401,11 @@ if __name__ == "__main__":
     rewards_host_np, dones_host_np = rewards_host.numpy(), dones_host.numpy()
     rewards_copied = utils.new_event(device)  # the host writes rewards_host and dones_host after it
 
-    # the rollout's machinery (utils.BatchedRollout): the policy's own weights
-    # (kernels.inference_weights), and per env batch a stream, device buffers, pinned host
-    # buffers and an event; on CUDA each (step, batch)'s device step captured as a CUDA graph
-    weights = kernels.inference_weights(agent, dtype)
+    # the rollout's machinery (utils.BatchedRollout): per env batch a stream, device buffers,
+    # pinned host buffers and an event; on CUDA each (step, batch)'s policy step captured as a CUDA graph
     timer = utils.PhaseTimer(args.profile, device)
     rollout = utils.BatchedRollout(
-        envs, weights, obs, uniforms, actions, logprobs, values, rewards_host_np, dones_host_np, driver, graphs, timer
+        envs, policy, obs, uniforms, actions, logprobs, values, rewards_host_np, dones_host_np, driver, graphs, timer
     )
 
     # start the game: the first frames go to the slot after the horizon, which each rollout
@@ -420,7 +428,7 @@ if __name__ == "__main__":
         # uniform is drawn; each batch's stream waits for that (and the last update) before it
         # starts, and the default stream waits for every batch's before training
         rollout_start = time.perf_counter()
-        kernels.refresh_inference_weights(weights)
+        policy.refresh()  # the fused step's weight copy
         if device.type == "cpu":
             # one OpenMP thread per op while env threads run: idle OpenMP threads spin-wait and
             # would take the env threads' cores (utils' env stepping beside a 2-thread torch ran

@@ -733,6 +733,20 @@ def seeded_reset(envs, seed):
     return envs.reset()
 
 
+def probe_frames(env_id, num_envs, device, steps=40, seed=0) -> torch.Tensor:
+    """Real frame stacks, uint8 [num_envs, 4, 84, 84] on `device`, after `steps` random steps
+    (for checking a policy's numbers on what it will see)."""
+    from ale_py.vector_env import AtariVectorEnv
+
+    envs = AtariVectorEnv(rom_id(env_id), num_envs, **ALE_V5, num_threads=1)
+    obs, _ = seeded_reset(envs, seed)
+    actions = np.random.default_rng(seed).integers(envs.single_action_space.n, size=(steps, num_envs))
+    for action in actions:
+        obs, *_ = envs.step(action)
+    envs.close()
+    return torch.from_numpy(obs).to(device)
+
+
 class ThreadedAtariEnvs:
     """`num_envs` ale-py envs (v5 protocol) split into `num_batches` fixed, independent batches.
 
@@ -1024,13 +1038,14 @@ class BatchedRollout:
     storage (the script's; step T is the one after the horizon: its stacks start the next
     rollout, its values bootstrap): obs (T+1, N, 4, 84, 84) uint8, and uniforms, actions,
     logprobs, values (T+1, N) on the device; rewards_host (T, N) and dones_host (T+1, N) numpy
-    views of pinned buffers, filled as the envs return them. weights: the policy's own copies
-    (kernels.inference_weights), which the script refreshes before each rollout. driver:
+    views of pinned buffers, filled as the envs return them. policy: kernels.rollout_policy's
+    step (fused or the agent's own forward), whose .refresh() the script calls before each
+    rollout. driver:
     "single", "threads" or "sequential" (see drive). graphs: replay each (step, batch) from a
     CUDA graph. Follows the stream and event rules above.
     """
 
-    def __init__(self, envs, weights, obs, uniforms, actions, logprobs, values, rewards_host, dones_host,
+    def __init__(self, envs, policy, obs, uniforms, actions, logprobs, values, rewards_host, dones_host,
                  driver, graphs, timer):  # fmt: skip
         import kernels  # here, not at the top: the baseline imports utils and needs no Triton
 
@@ -1039,7 +1054,7 @@ class BatchedRollout:
         self.rewards_host, self.dones_host = rewards_host, dones_host
         self.device, T = obs.device, obs.shape[0] - 1
         self.T, self.obs, self.slices, num_batches = T, obs, envs.slices, len(envs.slices)
-        batch, dtype = envs.batch_size, weights.fc_weight.dtype
+        batch, dtype = envs.batch_size, policy.dtype
         # per env batch: a stream, device buffers, pinned buffers for its new frames and its
         # actions, and an event after its step's last copy, which the host waits on before it
         # reads the actions or stages the next frames
@@ -1059,13 +1074,13 @@ class BatchedRollout:
             for t in range(T + 1)
         ]  # fmt: skip
 
-        def policy(t, b):
+        def step(t, b):
             """Batch b's step t on the device, straight into the storage."""
-            kernels.policy_step(weights, self.buffers[b], *self.step_views[t][b], shift=t > 0)
+            policy.step(self.buffers[b], *self.step_views[t][b], shift=t > 0)
 
         if self.device.type == "cuda":  # every first launch now, on this thread, before any worker or capture
-            warm_up(policy, T + 1, num_batches, self.streams)
-        self.policy = cuda_graphs(policy, T + 1, num_batches, self.streams) if graphs else policy
+            warm_up(step, T + 1, num_batches, self.streams)
+        self.policy = cuda_graphs(step, T + 1, num_batches, self.streams) if graphs else step
         self.pool = ThreadPoolExecutor(num_batches, thread_name_prefix="env-batch") if driver == "threads" else None
 
     def start(self):

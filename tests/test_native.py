@@ -171,9 +171,9 @@ def rollout_step(agent, frames, dtype, uniform):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_fused_inference_equals_training_forward(precision):
-    """The rollout's policy_step and the training network compute the same logits and values
-    from the same stacks, in fp32 and in bf16 (there: bf16 convolutions, a bf16-operand Linear
-    adding up in float32 and float32 heads in both, so only summation order differs)."""
+    """The rollout's policy_step and the training network (Agent.forward) compute the same
+    logits and values from the same stacks, in fp32 and in bf16 (there: the network as bf16
+    autocast runs it, heads in float32, in both, so only summation order differs)."""
     torch.manual_seed(0)
     agent = native.Agent(4).to(memory_format=torch.channels_last)
     for p in agent.parameters():  # random weights, not the small initial heads
@@ -185,11 +185,7 @@ def test_fused_inference_equals_training_forward(precision):
     expected_stacks = torch.cat([frames[:, 1:], frames[:, 3:]], dim=1)
     assert torch.equal(stacks, expected_stacks)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-        _, _, _, expected_value = agent.get_action_and_value(stacks)
-        features = agent.network[:7]((stacks * (1.0 / 255.0)).contiguous(memory_format=torch.channels_last))
-    fc = agent.network[7]
-    hidden = agent.network[8](torch.nn.functional.linear(features.float(), fc.weight.to(dtype).float(), fc.bias))
-    logits = agent.actor(hidden)
+        logits, expected_value = agent(stacks)
     tolerance = 1e-5 if precision == "fp32" else 1e-4
     torch.testing.assert_close(buf.logits, logits, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(value, expected_value.view(-1), rtol=tolerance, atol=tolerance)
