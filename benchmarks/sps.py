@@ -11,8 +11,6 @@ Run: python benchmarks/sps.py [--rounds 3] [--variants baseline native-fp32 ...]
 import argparse
 import os
 import platform
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,31 +19,19 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_sweep import run  # noqa: E402
 
 # name -> (script, extra args, default budget in agent steps); PPO's batch is 16 x 128 = 2048
 VARIANTS = {
     "baseline": ("ppo_atari_baseline.py", [], 3 * 2048),
     "native-fp32": ("ppo_atari_native.py", ["--precision", "fp32"], 3 * 2048),
     "native-bf16": ("ppo_atari_native.py", ["--precision", "bf16"], 2 * 2048),
+    # the rollout's general policy step (Agent.forward), as an edited network runs it
+    "native-fp32-module": ("ppo_atari_native.py", ["--precision", "fp32", "--policy", "module"], 3 * 2048),
     "a2c": ("a2c_atari.py", ["--log-interval", "25"], 25 * 80 * 4),
 }
 ROLLOUT_ONLY = ["--update-epochs", "0"]
-PROGRESS = re.compile(r"step ([\d,]+)/")
-
-
-def measure(script, args, budget, runs_dir):
-    """Steps/s between the first and the last progress line of one run."""
-    command = [sys.executable, str(ROOT / script), *args, "--total-timesteps", str(budget), "--runs-dir", runs_dir]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    marks = []
-    for line in process.stdout:
-        match = PROGRESS.search(line)
-        if match:
-            marks.append((int(match.group(1).replace(",", "")), time.perf_counter()))
-    if process.wait() != 0 or len(marks) < 2:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{process.stderr.read()[-2000:]}")
-    (step0, t0), (step1, t1) = marks[0], marks[-1]
-    return (step1 - step0) / (t1 - t0)
 
 
 def main():
@@ -71,7 +57,7 @@ def main():
                 script, extra, budget = VARIANTS[name]
                 if mode == "rollout-only":
                     extra, budget = extra + ROLLOUT_ONLY, budget * 4
-                sps = measure(script, extra, budget, runs_dir)
+                sps = run(script, extra, budget, runs_dir)[0]  # steps/s from the first progress line on
                 results[(mode, name)].append(sps)
                 print(f"round {r + 1} {mode} {name}: {sps:,.0f} steps/s", file=sys.stderr, flush=True)
 

@@ -61,6 +61,28 @@ def test_headline_command_computes_the_same_run_whoever_drives_it(precision, run
         assert not different, f"{name} differs from the single driver with graphs in {different}"
 
 
+def test_an_edited_network_runs_its_forward_from_cuda_graphs(runs_dir, tmp_path):
+    """The general policy step (Agent.forward, under bf16 autocast) captured in CUDA graphs:
+    the same run as without graphs and with a worker thread per batch, and ratio 1 at first."""
+    script = tmp_path / "native_layernorm.py"
+    text = (ROOT / "ppo_atari_native.py").read_text()
+    script.write_text(
+        text.replace(
+            "            nn.GELU(),\n        )", "            nn.GELU(),\n            nn.LayerNorm(512),\n        )"
+        )
+    )
+    args = [*HEADLINE, *TWO_ITERATIONS, "--num-minibatches", "1", "--update-epochs", "1", "--runs-dir", runs_dir]
+    models = []
+    for extra in (["--driver", "single"], ["--driver", "threads"], ["--no-cuda-graphs"]):
+        result = run_script(script, *args, *extra, env={**DETERMINISTIC, "PYTHONPATH": str(ROOT)})
+        assert ", policy module (network[9] is LayerNorm" in result.stdout.splitlines()[0]
+        models.append(model_of(result))
+        for _, kl in read_scalars(run_dir_of(result))["losses/old_approx_kl"]:
+            assert abs(kl) < 1e-3, kl
+    for model in models[1:]:
+        assert all(torch.equal(model[k], models[0][k]) for k in model)
+
+
 def test_a_rollout_under_the_cuda_sanitizer_has_no_race(runs_dir):
     """TORCH_CUDA_SANITIZER=1 (CSAN) checks every torch op's stream accesses: the default
     stream's weight refresh, uniforms and storage reads against the batch streams' writes.
