@@ -37,9 +37,11 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import aot  # noqa: E402
+
 import kernels  # imports triton: only now that TRITON_INTERPRET is decided
 
-CONV_OUT, HIDDEN = kernels.CONV_OUT, kernels.HIDDEN
+CONV_OUT, HIDDEN = aot.CONV_OUT, aot.HIDDEN
 BATCHES = (1, 2, 8, 16, 64, 256, 1024, 4096, 8192)
 A = 6
 # peak DRAM bandwidth by GPU name, GB/s, where torch does not report the memory clock and bus
@@ -223,9 +225,9 @@ def main():
         return 0
     print()
     start = time.perf_counter()
-    rows = kernels.aot_compile_table()
+    rows = aot.compile_table()
     print(f"AOT compilation for real GPUs (cubin via Triton's ptxas, {time.perf_counter() - start:.0f} s):")
-    print(kernels.format_aot_table(rows))
+    print(aot.format_table(rows))
     failed = sum(bool(r["error"]) for r in rows)
     print(f"{len(rows) - failed}/{len(rows)} configurations compiled")
     return 1 if failed else 0

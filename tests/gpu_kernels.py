@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
+from benchmarks import aot  # noqa: E402
 
 BATCHES = (1, 2, 3, 8, 16, 17, 64, 100, 256, 1024, 4096, 8192)
 ACTIONS = (4, 6, 18)
@@ -42,10 +43,10 @@ def main():
     cc = kernels.capability(device)
     print(f"{torch.cuda.get_device_name()} (sm_{cc}), torch {torch.__version__}, triton {kernels.triton.__version__}")
     g = torch.Generator(device=device).manual_seed(0)
-    dtypes = kernels.aot_dtypes(cc)
+    dtypes = aot.dtypes(cc)
     for dtype in dtypes:
         for B in BATCHES:
-            K, N = kernels.CONV_OUT, kernels.HIDDEN
+            K, N = aot.CONV_OUT, aot.HIDDEN
             x = torch.randn(B, K, generator=g, device=device).to(dtype)
             w = (torch.randn(N, K, generator=g, device=device) / math.sqrt(K)).to(dtype)
             b = torch.randn(N, generator=g, device=device) * 0.5

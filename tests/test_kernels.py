@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels
+from benchmarks import aot
 
 if not TRITON_IMPORTED_WITHOUT_INTERPRETER:
     # Other test modules keep the CPU default they would have without this file (the fast
@@ -446,22 +447,22 @@ class _Recorder:
         return launch
 
 
-@pytest.mark.parametrize("cc", kernels.AOT_CAPABILITIES)
+@pytest.mark.parametrize("cc", aot.CAPABILITIES)
 def test_aot_configs_cover_every_launch(monkeypatch, cc):
     """The configurations compiled below are exactly those the wrappers launch at rollout
     shapes on a GPU of capability cc, in each dtype it runs (the kernels are replaced by
     recorders and the device's capability is simulated, so large batches cost nothing)."""
     launched, compiled = set(), set()
     monkeypatch.setattr(kernels, "capability", lambda device: cc)
-    for name, kernel, _, consts, warps, stages in kernels.aot_configs(cc):
+    for name, kernel, _, consts, warps, stages in aot.configs(cc):
         compiled.add((name, tuple((k, v) for k, v in consts.items() if k != "WIDEN"), warps, stages))
         monkeypatch.setattr(kernels, name, _Recorder(name, list(kernel.arg_names[-len(consts) :]), launched))
-    H, K = kernels.HIDDEN, kernels.CONV_OUT
-    for dtype in kernels.aot_dtypes(cc):
-        for B in kernels.AOT_BATCHES:
+    H, K = aot.HIDDEN, aot.CONV_OUT
+    for dtype in aot.dtypes(cc):
+        for B in aot.BATCHES:
             kernels.linear_gelu(torch.empty(B, K, dtype=dtype), torch.empty(H, K, dtype=dtype), torch.empty(H))
             h = torch.empty(B, H, dtype=dtype)
-            for A in kernels.AOT_ACTIONS:
+            for A in aot.ACTIONS:
                 wa, ba, wc, bc = torch.empty(A, H), torch.empty(A), torch.empty(1, H), torch.empty(1)
                 kernels.policy_value_heads(h, wa, ba, wc, bc)
                 kernels.sample_logits(torch.empty(B, A), torch.empty(B))
@@ -477,15 +478,15 @@ def test_aot_configs_cover_every_launch(monkeypatch, cc):
 def test_aot_compile_all_targets():
     """Every configuration compiles to cubin for sm_75, 80, 89 and 90, without register spills
     and within each target's shared memory per block."""
-    rows = kernels.aot_compile_table()
-    print("\n" + kernels.format_aot_table(rows))
-    n_configs = sum(len(kernels.aot_configs(cc)) for cc in kernels.AOT_CAPABILITIES)
+    rows = aot.compile_table()
+    print("\n" + aot.format_table(rows))
+    n_configs = sum(len(aot.configs(cc)) for cc in aot.CAPABILITIES)
     assert len(rows) == n_configs
     assert {r["target"] for r in rows} == {"sm_75", "sm_80", "sm_89", "sm_90"}
     failed = [r for r in rows if r["error"]]
-    assert not failed, kernels.format_aot_table(failed)
+    assert not failed, aot.format_table(failed)
     assert all(r["regs"] > 0 for r in rows)
     too_big = [r for r in rows if r["shared_bytes"] > r["shared_limit"] or r["spill_bytes"] > 0]
-    assert not too_big, kernels.format_aot_table(too_big)
+    assert not too_big, aot.format_table(too_big)
     # bf16 only where the GPU has it (sm_80 and newer): sm_75 gets fp32 ("ieee" dots)
     assert {r["dtype"] for r in rows if r["target"] == "sm_75" and r["kernel"] == "linear_gelu_kernel"} == {"fp32"}
