@@ -79,11 +79,10 @@ class Args:
     policy: str = "auto"
     """the rollout's policy step: fused (the kernels, for the network they mirror), module (Agent.forward), auto"""
     driver: str = "auto"
-    """who serves the env batches: single (one thread in turn), threads (one each), auto (CUDA: single; else threads)"""
+    """who serves the env batches: single (one thread in turn), threads (one each), auto (CUDA: single; else
+    threads), sequential (for debugging: one env thread, each batch stepped to completion, no overlap)"""
     profile: bool = False
     """trace iterations 2-4 with torch.profiler (trace.json, for Perfetto) and print a table of time per phase"""
-    single_threaded: bool = False
-    """step each batch's envs to completion before the next (one env thread, no overlap), for debugging"""
     backend: str | None = None
     """torch.distributed backend under torchrun (default: nccl on CUDA, gloo on CPU)"""
 
@@ -259,7 +258,7 @@ if __name__ == "__main__":
         if distributed and args.eval_checkpoint is None:
             device = utils.torchrun_device(device)  # rank r on cuda:LOCAL_RANK
         precision = utils.resolve_precision(args.precision, device)
-        driver = utils.resolve_driver(args.driver, device, args.num_gpu_batches, args.single_threaded)
+        driver = utils.resolve_driver(args.driver, device, args.num_gpu_batches)
         checkpoint = None
         if args.resume is not None:
             checkpoint = utils.load_checkpoint(args.resume, script, args.env_id, Agent, resume=True)
@@ -318,7 +317,12 @@ if __name__ == "__main__":
     num_batches = args.num_gpu_batches
     batch = args.num_envs // num_batches
     threads_per_batch, first_core = utils.env_threads(
-        1 if args.single_threaded else args.num_env_threads, device, num_batches, batch, local_rank, local_world_size
+        1 if args.driver == "sequential" else args.num_env_threads,
+        device,
+        num_batches,
+        batch,
+        local_rank,
+        local_world_size,
     )
     graphs = args.cuda_graphs and device.type == "cuda"
     # the rollout's policy step: the fused kernels where the Agent is the network they mirror
@@ -359,7 +363,7 @@ if __name__ == "__main__":
     env_seed = args.seed + 1_000_003 * start_iteration + 10_007 * rank
     envs = utils.ThreadedAtariEnvs(
         args.env_id, args.num_envs, num_batches, sum(threads_per_batch), env_seed,
-        life_loss_terminal=args.life_loss_terminal, serial=args.single_threaded, first_core=first_core,
+        life_loss_terminal=args.life_loss_terminal, serial=args.driver == "sequential", first_core=first_core,
     )  # fmt: skip
     num_actions = envs.num_actions
 

@@ -361,10 +361,7 @@ def save_checkpoint(path, state: dict):
 
 # Loading never runs code from the file: torch.load(weights_only=True) builds tensors, numbers,
 # strings, lists, tuples and dicts, and nothing else. A checkpoint is made only of those (the
-# RNG states too, see rng_states). Checkpoints written before this format kept numpy's RNG
-# state as an array; to load those, four numpy globals are allowed, which rebuild a uint32
-# array and nothing else: numpy's _reconstruct, ndarray, dtype and UInt32DType.
-OLD_FORMAT_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
+# RNG states too, see rng_states).
 # what every checkpoint holds, and what a resumable one adds: key -> type
 CHECKPOINT_KEYS = {"script": str, "env_id": str, "num_actions": int, "model": dict}
 RESUME_KEYS = {"args": dict, "optimizer": dict, "iteration": int, "global_step": int, "rng": dict}
@@ -387,8 +384,7 @@ def load_checkpoint(path, script: str, env_id: str | None = None, make_agent=Non
     if not path.is_file():
         raise UsageError(f"checkpoint {name} does not exist")
     try:
-        with torch.serialization.safe_globals(OLD_FORMAT_GLOBALS):
-            state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         # a global outside plain data names code it would have run; anything else is no pickle
         found = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", str(e))
@@ -488,8 +484,6 @@ def set_rng_states(states: dict, device: torch.device):
     torch.set_rng_state(states["torch"])
     cuda = states.get("cuda")
     if device.type == "cuda" and cuda is not None:
-        if isinstance(cuda, list):  # the old format: one state per visible GPU
-            cuda = cuda[device.index] if device.index < len(cuda) else cuda[0]
         torch.cuda.set_rng_state(cuda, device)
 
 
@@ -1161,12 +1155,12 @@ def cpu_has_bf16() -> bool:
     return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
 
 
-def resolve_driver(driver: str, device: torch.device, num_batches: int, single_threaded: bool) -> str:
+def resolve_driver(driver: str, device: torch.device, num_batches: int) -> str:
     """Who serves the env batches (see drive): auto -> one driver thread on CUDA, a worker
-    thread per batch elsewhere; one batch, or --single-threaded, runs them one after another."""
-    if driver not in ("auto", "single", "threads"):
-        raise UsageError(f"--driver {driver!r}: expected auto, single or threads")
-    if single_threaded or num_batches == 1:
+    thread per batch elsewhere; one batch runs sequential."""
+    if driver not in ("auto", "single", "threads", "sequential"):
+        raise UsageError(f"--driver {driver!r}: expected auto, single, threads or sequential")
+    if num_batches == 1:
         return "sequential"
     if driver == "auto":
         return "single" if device.type == "cuda" else "threads"

@@ -159,20 +159,20 @@ def test_warm_up_orders_every_batch_stream_after_the_default_stream(monkeypatch)
 
 
 @pytest.mark.parametrize(
-    "driver, device, batches, single_threaded, resolved",
+    "driver, device, batches, resolved",
     [
-        ("auto", "cuda:0", 8, False, "single"),  # on CUDA one thread serves every batch
-        ("auto", "cpu", 8, False, "threads"),  # on CPU a worker thread per batch
-        ("threads", "cuda:0", 8, False, "threads"),
-        ("single", "cpu", 2, False, "single"),
-        ("auto", "cuda:0", 1, False, "sequential"),
-        ("threads", "cpu", 4, True, "sequential"),
+        ("auto", "cuda:0", 8, "single"),  # on CUDA one thread serves every batch
+        ("auto", "cpu", 8, "threads"),  # on CPU a worker thread per batch
+        ("threads", "cuda:0", 8, "threads"),
+        ("single", "cpu", 2, "single"),
+        ("auto", "cuda:0", 1, "sequential"),
+        ("sequential", "cpu", 4, "sequential"),
     ],
 )
-def test_driver_resolves_by_device_and_batches(driver, device, batches, single_threaded, resolved):
-    assert utils.resolve_driver(driver, torch.device(device), batches, single_threaded) == resolved
+def test_driver_resolves_by_device_and_batches(driver, device, batches, resolved):
+    assert utils.resolve_driver(driver, torch.device(device), batches) == resolved
 
 
 def test_an_unknown_driver_is_refused():
-    with pytest.raises(utils.UsageError, match="--driver 'fibers': expected auto, single or threads"):
-        utils.resolve_driver("fibers", torch.device("cpu"), 2, False)
+    with pytest.raises(utils.UsageError, match="--driver 'fibers': expected auto, single, threads or sequential"):
+        utils.resolve_driver("fibers", torch.device("cpu"), 2)

@@ -4,7 +4,7 @@ test by the README's test command on a GPU machine. benchmarks/gpu_check.sh runs
 a report.
 
 - The headline command for 2 iterations, fp32 and bf16: one driver thread, a worker thread
-  per batch, --single-threaded and --no-cuda-graphs all compute the same run (the weights after
+  per batch, --driver sequential and --no-cuda-graphs all compute the same run (the weights after
   two updates are equal to the bit, so every action was too).
 - A rollout under PyTorch's CUDA sanitizer reports no race between the streams.
 - Every Triton kernel compiled for this GPU equals its reference (tests/gpu_kernels.py).
@@ -47,7 +47,7 @@ def test_headline_command_computes_the_same_run_whoever_drives_it(precision, run
     for name, extra in [
         ("single driver, graphs", ["--driver", "single"]),
         ("threads, graphs", ["--driver", "threads"]),
-        ("single-threaded", ["--single-threaded"]),
+        ("sequential", ["--driver", "sequential"]),
         ("single driver, no graphs", ["--driver", "single", "--no-cuda-graphs"]),
     ]:
         result = run_script("ppo_atari_native.py", *args, *extra, env=DETERMINISTIC)

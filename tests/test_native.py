@@ -223,8 +223,8 @@ def test_native_runs_and_writes_every_tag(precision, runs_dir):
     assert (run_dir / "model.pt").is_file()
 
 
-@pytest.mark.parametrize("extra", [["--num-gpu-batches", "1"], ["--num-gpu-batches", "8"], ["--single-threaded"]])
-def test_native_gpu_batches_and_single_threaded(extra, runs_dir):
+@pytest.mark.parametrize("extra", [["--num-gpu-batches", "1"], ["--num-gpu-batches", "8"], ["--driver", "sequential"]])
+def test_native_gpu_batches_and_the_sequential_driver(extra, runs_dir):
     args = ["--num-envs", "8", "--num-steps", "32", "--num-minibatches", "4", "--total-timesteps", "512"]
     result = run_script("ppo_atari_native.py", *args, *extra, "--runs-dir", runs_dir)
     scalars = read_scalars(run_dir_of(result))
@@ -272,7 +272,7 @@ def test_drivers_compute_the_same_run(runs_dir):
     to the bit (the uniforms are drawn before the rollout, the envs are seeded per batch)."""
     args = ["--num-envs", "8", "--num-steps", "32", "--num-minibatches", "4", "--total-timesteps", "512"]
     models = []
-    for mode in (["--driver", "single"], ["--driver", "threads"], ["--single-threaded"]):
+    for mode in (["--driver", "single"], ["--driver", "threads"], ["--driver", "sequential"]):
         result = run_script("ppo_atari_native.py", *args, "--num-gpu-batches", "4", *mode, "--runs-dir", runs_dir)
         models.append(torch.load(run_dir_of(result) / "model.pt", weights_only=True)["model"])
     for model in models[1:]:

@@ -617,19 +617,16 @@ def test_rng_states_survive_the_weights_only_round_trip(tmp_path):
     assert torch.equal(torch.rand(3), expected[2])
 
 
-def test_a_checkpoint_in_the_old_format_still_loads(tmp_path):
-    """Before this format, numpy's RNG state was stored as an array: the three numpy globals
-    that rebuild it are allowed, and the state restores."""
+def test_a_checkpoint_in_the_old_format_is_refused_with_one_line(tmp_path):
+    """The format before plain-data checkpoints kept numpy's RNG state as an array, whose numpy
+    globals weights_only loading does not allow: it is refused, naming what it holds."""
     import numpy as np
 
-    np.random.seed(3)
     old = valid_checkpoint("a2c_atari.py")
     old["rng"]["numpy"] = np.random.get_state()
     torch.save(old, tmp_path / "old.pt")
-    expected = np.random.random()
-    state = utils.load_checkpoint(tmp_path / "old.pt", "a2c_atari.py", "Breakout-v5", resume=True)
-    utils.set_rng_states(state["rng"], torch.device("cpu"))
-    assert np.random.random() == expected
+    with pytest.raises(utils.UsageError, match=r"holds more than plain data \(numpy.*refused"):
+        utils.load_checkpoint(tmp_path / "old.pt", "a2c_atari.py", "Breakout-v5", resume=True)
 
 
 def test_loading_a_payload_runs_nothing(tmp_path):
