@@ -390,32 +390,27 @@ if __name__ == "__main__":
         }  # fmt: skip
         utils.save_checkpoint(path, state)
 
-    # storage: obs and values have one more step, the one after the horizon (for bootstrap)
+    # ALGO LOGIC: storage setup. Step T is the one after the horizon: obs[T] starts the next
+    # rollout (it becomes obs[0]) and values[T] bootstraps; dones[t] = 1 when obs[t] follows a terminal
     T, N = args.num_steps, args.num_envs
     obs = torch.zeros((T + 1, N, 4, 84, 84), dtype=torch.uint8, device=device)
     actions = torch.zeros((T + 1, N), dtype=torch.long, device=device)
     logprobs = torch.zeros((T + 1, N), device=device)
     values = torch.zeros((T + 1, N), device=device)
-    uniforms = torch.zeros((T + 1, N), device=device)
     rewards = torch.zeros((T, N), device=device)
     dones = torch.zeros((T + 1, N), device=device)
-    # rewards and terminals stay on the host, where they arrive, until the horizon is done
-    rewards_host = utils.host_buffer((T, N), torch.float32, device)
-    dones_host = utils.host_buffer((T + 1, N), torch.float32, device)
-    rewards_host_np, dones_host_np = rewards_host.numpy(), dones_host.numpy()
-    rewards_copied = utils.new_event(device)  # the host writes rewards_host and dones_host after it
 
     # the rollout's machinery (utils.BatchedRollout): per env batch a stream, device buffers,
     # pinned host buffers and an event; on CUDA each (step, batch)'s policy step captured as a CUDA graph
     timer = utils.PhaseTimer(args.profile, device)
     rollout = utils.BatchedRollout(
-        envs, policy, obs, uniforms, actions, logprobs, values, rewards_host_np, dones_host_np, driver, graphs, timer
-    )
+        envs, policy, obs=obs, actions=actions, logprobs=logprobs, values=values, rewards=rewards, dones=dones,
+        driver=driver, cuda_graphs=graphs, timer=timer,
+    )  # fmt: skip
 
     # start the game: the first frames go to the slot after the horizon, which each rollout
     # moves to step 0
     progress = utils.Progress(args.total_timesteps, global_step)
-    training_threads = torch.get_num_threads()
     rollout.start()
     iteration = start_iteration
     if rank == 0:
@@ -428,21 +423,11 @@ if __name__ == "__main__":
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
-        # rollout: on the default stream the policy's weights are refreshed and every sample's
-        # uniform is drawn; each batch's stream waits for that (and the last update) before it
-        # starts, and the default stream waits for every batch's before training
+        # ALGO LOGIC: one rollout of T steps into the storage (utils.BatchedRollout.collect)
         rollout_start = time.perf_counter()
-        policy.refresh()  # the fused step's weight copy
-        if device.type == "cpu":
-            # one OpenMP thread per op while env threads run: idle OpenMP threads spin-wait and
-            # would take the env threads' cores (utils' env stepping beside a 2-thread torch ran
-            # at 0.64x of ale-py alone, measured here); training gets every thread back
-            torch.set_num_threads(1)
-        torch.rand(uniforms.shape, out=uniforms, device=device)  # every sample of the horizon
-        utils.wait(rewards_copied)  # the last iteration's copies of the host buffers are done
         # a stop abandons the rollout (the checkpoint is the last full iteration); under torchrun
         # the ranks stay in lockstep: they stop after the update
-        if not rollout.collect(lambda: stop and not distributed):
+        if not rollout.collect(should_stop=lambda: stop and not distributed):
             iteration = iteration - 1
             break
         progress.rollout_time += time.perf_counter() - rollout_start
@@ -453,13 +438,8 @@ if __name__ == "__main__":
             writer.add_scalar("charts/episodic_length", episodic_length, global_step + step * N * world_size)
         global_step += T * N * world_size
 
-        if device.type == "cpu":
-            torch.set_num_threads(training_threads)
         with timer("training"):
-            # advantages: terminals and rewards cross to the device once per iteration
-            rewards.copy_(rewards_host, non_blocking=True)
-            dones.copy_(dones_host, non_blocking=True)
-            utils.record(rewards_copied)
+            # ALGO LOGIC: advantages
             with torch.no_grad():
                 advantages, returns = gae(rewards, values, dones, args.gamma, args.gae_lambda)
 

@@ -968,7 +968,7 @@ def warm_up(step, num_steps, num_batches, streams):
     torch.cuda.synchronize()
 
 
-def cuda_graphs(step, num_steps, num_batches, streams):
+def capture_graphs(step, num_steps, num_batches, streams):
     """A CUDA graph of step(t, b) for every step and batch, and a function that replays the
     one for (t, b) on the current stream: one launch for the host instead of one per kernel.
 
@@ -1027,33 +1027,40 @@ def run_through(generator):
 class BatchedRollout:
     """The native scripts' rollout, written once: the envs' batches (envs.slices) stepped by
     their C++ threads while the device works on other batches, each batch with its own
-    stream, buffers and pinned host buffers, writing straight into the scripts' storage.
+    stream, buffers and pinned host buffers, writing straight into the script's storage.
 
-    storage (the script's; step T is the one after the horizon: its stacks start the next
-    rollout, its values bootstrap): obs (T+1, N, 4, 84, 84) uint8, and uniforms, actions,
-    logprobs, values (T+1, N) on the device; rewards_host (T, N) and dones_host (T+1, N) numpy
-    views of pinned buffers, filled as the envs return them. policy: kernels.rollout_policy's
-    step (fused or the agent's own forward), whose .refresh() the script calls before each
-    rollout. driver:
-    "single", "threads" or "sequential" (see drive). graphs: replay each (step, batch) from a
-    CUDA graph. Follows the stream and event rules above.
+    The storage is the script's, passed by keyword (T steps, N envs; step T is the one after
+    the horizon: its stacks start the next rollout and its values bootstrap): obs (T+1, N, 4,
+    84, 84) uint8; actions, logprobs, values (T+1, N); rewards (T, N); dones (T+1, N), where
+    dones[t] = 1 when obs[t] follows a terminal. policy: kernels.rollout_policy's step. driver:
+    "single", "threads" or "sequential" (see drive). cuda_graphs: replay each (step, batch)
+    from a CUDA graph. Follows the stream and event rules above.
     """
 
-    def __init__(self, envs, policy, obs, uniforms, actions, logprobs, values, rewards_host, dones_host,
-                 driver, graphs, timer):  # fmt: skip
+    def __init__(self, envs, policy, *, obs, actions, logprobs, values, rewards, dones, driver, cuda_graphs, timer):
         import kernels  # here, not at the top: the baseline imports utils and needs no Triton
 
-        self.kernels = kernels
+        self.kernels, self.policy = kernels, policy
         self.envs, self.driver, self.timer = envs, driver, timer
-        self.rewards_host, self.dones_host = rewards_host, dones_host
-        self.device, T = obs.device, obs.shape[0] - 1
+        self.rewards, self.dones = rewards, dones
+        self.device, (T, N) = obs.device, rewards.shape
         self.T, self.obs, self.slices, num_batches = T, obs, envs.slices, len(envs.slices)
-        batch, dtype = envs.batch_size, policy.dtype
+        # every sample's uniform, drawn before each rollout; rewards and terminals stay on the
+        # host, where they arrive, until the horizon is done, then cross to the device once
+        self.uniforms = torch.zeros((T + 1, N), device=self.device)
+        self.rewards_host = host_buffer((T, N), torch.float32, self.device)
+        self.dones_host = host_buffer((T + 1, N), torch.float32, self.device)
+        self.rewards_np, self.dones_np = self.rewards_host.numpy(), self.dones_host.numpy()
+        self.copied = new_event(self.device)  # the host writes rewards_host and dones_host after it
+        self.training_threads = torch.get_num_threads()
         # per env batch: a stream, device buffers, pinned buffers for its new frames and its
         # actions, and an event after its step's last copy, which the host waits on before it
         # reads the actions or stages the next frames
+        batch = envs.batch_size
         self.streams = [new_stream(self.device) for _ in range(num_batches)]
-        self.buffers = [kernels.inference_buffers(batch, envs.num_actions, dtype, self.device) for _ in self.slices]
+        self.buffers = [
+            kernels.inference_buffers(batch, envs.num_actions, policy.dtype, self.device) for _ in self.slices
+        ]
         self.staging = [host_buffer((batch, kernels.STAGED_ROW), torch.uint8, self.device) for _ in self.slices]
         self.actions_host = [host_buffer((batch,), torch.long, self.device) for _ in self.slices]
         self.staging_np = [staging.numpy() for staging in self.staging]
@@ -1063,7 +1070,7 @@ class BatchedRollout:
         # it (at t = 0 they come over unchanged from the step after the last horizon, obs[T]),
         # its stacks, uniforms, actions, log-probs and values
         self.step_views = [
-            [(obs[t - 1 if t > 0 else T, sl], obs[t, sl], uniforms[t, sl], actions[t, sl], logprobs[t, sl],
+            [(obs[t - 1 if t > 0 else T, sl], obs[t, sl], self.uniforms[t, sl], actions[t, sl], logprobs[t, sl],
               values[t, sl]) for sl in self.slices]
             for t in range(T + 1)
         ]  # fmt: skip
@@ -1074,7 +1081,7 @@ class BatchedRollout:
 
         if self.device.type == "cuda":  # every first launch now, on this thread, before any worker or capture
             warm_up(step, T + 1, num_batches, self.streams)
-        self.policy = cuda_graphs(step, T + 1, num_batches, self.streams) if graphs else step
+        self.step = capture_graphs(step, T + 1, num_batches, self.streams) if cuda_graphs else step
         self.pool = ThreadPoolExecutor(num_batches, thread_name_prefix="env-batch") if driver == "threads" else None
 
     def start(self):
@@ -1089,19 +1096,34 @@ class BatchedRollout:
                 kernels.push_frames(prev, self.buffers[b].staged, out, self.buffers[b].x)
                 record(self.step_done[b], self.streams[b])  # staging[b] is written again after it
         join_streams(self.streams)
-        self.dones_host[self.T] = 0
+        self.dones_np[self.T] = 0
 
-    def collect(self, should_stop):
-        """One rollout of T steps into the storage. Each batch's stream waits for the default
-        stream first (the refreshed weights, the uniforms, the last update); the default stream
-        waits for every batch's after. Returns False, with the rollout abandoned, if
-        should_stop() came true."""
-        self.dones_host[0] = self.dones_host[self.T]
+    def collect(self, should_stop=lambda: False):
+        """One rollout of T steps into the storage, its rewards and terminals then copied to
+        the device. On the default stream first: the policy's weights refreshed and every
+        sample's uniform drawn; each batch's stream waits for that (and the last update), and
+        the default stream waits for every batch's after. Returns False, with the rollout
+        abandoned, if should_stop() came true."""
+        self.policy.refresh()
+        if self.device.type == "cpu":
+            # one OpenMP thread per op while env threads run: idle OpenMP threads spin-wait on
+            # the cores the env threads need; training gets every thread back
+            torch.set_num_threads(1)
+        torch.rand(self.uniforms.shape, out=self.uniforms, device=self.device)
+        wait(self.copied)  # the last copies of the host buffers are done
+        self.dones_np[0] = self.dones_np[self.T]
         fork_streams(self.streams)
         rollouts = [self.rollout_batch(b, should_stop) for b in range(len(self.slices))]
         completed = drive(rollouts, self.driver, self.pool)
         join_streams(self.streams)
-        return min(completed) > self.T
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.training_threads)
+        if min(completed) <= self.T:
+            return False
+        self.rewards.copy_(self.rewards_host, non_blocking=True)
+        self.dones.copy_(self.dones_host, non_blocking=True)
+        record(self.copied)
+        return True
 
     def launch(self, t, b, frames=None, ended=()):
         """Batch b's step t: its new frames to the device (none at t = 0), the policy, the
@@ -1112,7 +1134,7 @@ class BatchedRollout:
                 kernels.stage_frames(self.staging_np[b], frames, ended)
                 self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
             with self.timer.gpu(self.streams[b]):
-                self.policy(t, b)
+                self.step(t, b)
             self.actions_host[b].copy_(self.step_views[t][b][3], non_blocking=True)
             record(self.step_done[b], self.streams[b])
 
@@ -1131,7 +1153,7 @@ class BatchedRollout:
                 self.launch(0, b)
             else:
                 with self.timer("env wait"):
-                    frames, ended = self.envs.recv(b, self.rewards_host[step - 1, sl], self.dones_host[step, sl])
+                    frames, ended = self.envs.recv(b, self.rewards_np[step - 1, sl], self.dones_np[step, sl])
                 self.launch(step, b, frames, ended)
             yield
             with self.timer("GPU wait"):

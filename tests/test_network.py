@@ -9,7 +9,6 @@ import re
 import shlex
 import signal
 
-import numpy as np
 import pytest
 import torch
 from conftest import ROOT, read_scalars, run_dir_of, run_script, stop_after_first_progress
@@ -75,23 +74,25 @@ def frames():
 
 
 def collect(agent, policy, driver, num_envs=4, num_batches=2, T=6, seed=3):
-    """One rollout of T steps on CPU through utils.BatchedRollout; returns its storage."""
+    """One rollout of T steps on CPU through utils.BatchedRollout; returns its storage and
+    the uniforms it drew."""
     envs = utils.ThreadedAtariEnvs("Breakout-v5", num_envs, num_batches, num_envs, seed)
-    obs = torch.zeros((T + 1, num_envs, 4, 84, 84), dtype=torch.uint8)
-    actions = torch.zeros((T + 1, num_envs), dtype=torch.long)
-    logprobs, values = torch.zeros((T + 1, num_envs)), torch.zeros((T + 1, num_envs))
-    uniforms = torch.rand((T + 1, num_envs), generator=torch.Generator().manual_seed(seed))
-    rewards, dones = np.zeros((T, num_envs), np.float32), np.zeros((T + 1, num_envs), np.float32)
-    timer = utils.PhaseTimer(False, torch.device("cpu"))
-    rollout = utils.BatchedRollout(
-        envs, policy, obs, uniforms, actions, logprobs, values, rewards, dones, driver, False, timer
+    storage = dict(
+        obs=torch.zeros((T + 1, num_envs, 4, 84, 84), dtype=torch.uint8),
+        actions=torch.zeros((T + 1, num_envs), dtype=torch.long),
+        logprobs=torch.zeros((T + 1, num_envs)),
+        values=torch.zeros((T + 1, num_envs)),
+        rewards=torch.zeros((T, num_envs)),
+        dones=torch.zeros((T + 1, num_envs)),
     )
+    timer = utils.PhaseTimer(False, torch.device("cpu"))
+    rollout = utils.BatchedRollout(envs, policy, **storage, driver=driver, cuda_graphs=False, timer=timer)
     rollout.start()
-    policy.refresh()
-    assert rollout.collect(lambda: False)
+    torch.manual_seed(seed)
+    assert rollout.collect()
     rollout.close()
     envs.close()
-    return obs, actions, logprobs, values
+    return storage["obs"], storage["actions"], storage["logprobs"], storage["values"], rollout.uniforms
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -119,14 +120,13 @@ def test_an_edited_network_runs_its_own_forward_in_the_rollout(script, edit, fra
     runs = [collect(agent, policy, driver) for driver in ("threads", "single", "sequential")]
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0])), "the drivers differ"
-    obs, actions, logprobs, values = runs[0]
+    obs, actions, logprobs, values, uniforms = runs[0]
     T, N = actions.shape[0] - 1, actions.shape[1]
     with torch.no_grad():
         _, newlogprob, _, newvalue = agent.get_action_and_value(obs.flatten(0, 1), actions.flatten())
         logits, _ = agent(obs.flatten(0, 1))
     torch.testing.assert_close(newlogprob.view(T + 1, N), logprobs, rtol=0, atol=1e-5)  # PPO's first ratio is 1
     torch.testing.assert_close(newvalue.view(T + 1, N), values, rtol=1e-5, atol=1e-5)
-    uniforms = torch.rand((T + 1, N), generator=torch.Generator().manual_seed(3))
     cdf = logits.softmax(-1).cumsum(-1)
     expected = torch.searchsorted(cdf, uniforms.flatten()[:, None] * cdf[:, -1:], right=True).view(T + 1, N)
     assert torch.equal(expected.clamp(max=3), actions)
@@ -149,7 +149,7 @@ def test_an_edited_network_in_bf16_runs_under_autocast_as_the_learner(frames, tm
     torch.manual_seed(0)
     agent = module.Agent(4).to(memory_format=torch.channels_last)
     policy = kernels.rollout_policy("auto", agent, torch.bfloat16, frames)
-    obs, actions, logprobs, _ = collect(agent, policy, "threads")
+    obs, actions, logprobs, _, _ = collect(agent, policy, "threads")
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         _, newlogprob, _, _ = agent.get_action_and_value(obs.flatten(0, 1), actions.flatten())
     torch.testing.assert_close(newlogprob.view_as(logprobs), logprobs, rtol=0, atol=1e-5)
