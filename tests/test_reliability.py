@@ -36,7 +36,8 @@ CONFIGS = {
         batch=64, log_every=1, minibatches=True, gpu_batches=True,
     ),
     "a2c_atari.py": SimpleNamespace(
-        args=["--num-envs", "4", "--num-steps", "5", "--total-timesteps", "2000", "--log-interval", "20"],
+        args=["--num-envs", "4", "--num-steps", "5", "--total-timesteps", "2000", "--log-interval", "20",
+              "--anneal-lr"],  # on, as in the PPO scripts: a resume must continue the schedule
         batch=20, log_every=20, minibatches=False, gpu_batches=True,
     ),
 }  # fmt: skip
@@ -50,7 +51,11 @@ CONFIGS_ARGS = {
     }
     for script, c in CONFIGS.items()
 }
-PER_ITERATION_TAGS = ["charts/SPS", "charts/learning_rate", "losses/value_loss"]
+# the values every script logs once per logged iteration
+PER_ITERATION_TAGS = [
+    "charts/SPS", "charts/learning_rate", "losses/value_loss", "losses/policy_loss", "losses/entropy",
+    "losses/explained_variance",
+]  # fmt: skip
 STOPPED = re.compile(r"stopped by (SIGINT|SIGTERM) at step ([\d,]+); resume with: (.+)")
 
 
@@ -58,6 +63,21 @@ def budget(script) -> int:
     config = CONFIGS[script]
     total = int(config.args[config.args.index("--total-timesteps") + 1])
     return total // config.batch * config.batch
+
+
+def logged_steps(script) -> list:
+    """The steps at which an uninterrupted tiny run logs its per-iteration values."""
+    config = CONFIGS[script]
+    iterations = budget(script) // config.batch
+    return [i * config.batch for i in range(1, iterations + 1) if i % config.log_every == 0 or i == iterations]
+
+
+def learning_rates(script) -> list:
+    """The rates an uninterrupted tiny run logs, at logged_steps: CleanRL's linear annealing,
+    the default rate times 1 - (iteration - 1) / iterations."""
+    config, rate = CONFIGS[script], importlib.import_module(Path(script).stem).Args().learning_rate
+    iterations = budget(script) // config.batch
+    return [rate * (1 - (step // config.batch - 1) / iterations) for step in logged_steps(script)]
 
 
 # ----------------------------------------------------------------------------- processes
@@ -162,16 +182,25 @@ def stopped_and_resumed(request, tmp_path_factory):
     pristine = tmp_path_factory.mktemp(f"pristine-{Path(script).stem}") / "checkpoint.pt"
     if (stopped.run_dir / "checkpoint.pt").is_file():
         shutil.copy(stopped.run_dir / "checkpoint.pt", pristine)
-    resumed = None
+    resumed = resumed_again = None
     match = STOPPED.search(stopped.stdout)
     if match:
         command = shlex.split(match.group(3))
         resumed = run_script(command[1], *command[2:], check=False)
-    return SimpleNamespace(script=script, stopped=stopped, resumed=resumed, pristine=pristine)
+        if pristine.is_file():  # the same resume again, from a copy of the checkpoint in a directory of its own
+            again = tmp_path_factory.mktemp(f"again-{Path(script).stem}") / "checkpoint.pt"
+            shutil.copy(pristine, again)
+            resumed_again = run_script(command[1], *command[2:-1], again, check=False)
+    return SimpleNamespace(
+        script=script, stopped=stopped, resumed=resumed, pristine=pristine, resumed_again=resumed_again
+    )
 
 
 # ----------------------------------------------------------------------------- 1. stop and resume
 def test_sigint_then_resume_ends_where_an_uninterrupted_run_does(stopped_and_resumed):
+    """Stopped by Ctrl-C and resumed, a run ends at the step an uninterrupted one does and logs
+    what it logs: every per-iteration value once, at the same steps, and the learning rate of
+    every logged iteration on the annealing schedule (annealing on in every tiny config)."""
     script, stopped, resumed = stopped_and_resumed.script, stopped_and_resumed.stopped, stopped_and_resumed.resumed
     step, command = assert_stopped_cleanly(stopped, script, "SIGINT")
     if script == "ppo_atari_baseline.py":
@@ -185,14 +214,30 @@ def test_sigint_then_resume_ends_where_an_uninterrupted_run_does(stopped_and_res
 
     scalars = read_scalars(stopped.run_dir)
     assert len(list(stopped.run_dir.glob("events.out.tfevents.*"))) == 2
-    config = CONFIGS[script]
-    iterations = budget(script) // config.batch
-    expected = [i * config.batch for i in range(1, iterations + 1) if i % config.log_every == 0 or i == iterations]
-    sps_steps = [s for s, _ in scalars["charts/SPS"]]
-    assert sps_steps == expected, f"stopped at {step}: {sps_steps}"  # as an uninterrupted run
-    for tag in PER_ITERATION_TAGS:
-        steps = [s for s, _ in scalars[tag]]
-        assert len(steps) == len(set(steps)), f"{tag} has duplicated steps: {steps}"
+    for tag in PER_ITERATION_TAGS:  # every event, the stopped run's and the resumed run's, as an uninterrupted run
+        assert [s for s, _ in scalars[tag]] == logged_steps(script), f"{tag}, stopped at {step}"
+    # the schedule goes on where it was: a restarted one would log the first rate again
+    rates = [rate for _, rate in scalars["charts/learning_rate"]]
+    assert rates == pytest.approx(learning_rates(script), rel=1e-6), f"stopped at {step}"
+
+
+def test_two_resumes_from_one_checkpoint_end_with_the_same_weights(stopped_and_resumed):
+    """A resumed run cannot equal an uninterrupted one in weights: envs cannot be checkpointed,
+    so it reseeds them (from the seed and the iteration) and plays new games. What must hold is
+    that a resume depends on nothing but the checkpoint and the command line: the same resume
+    run twice ends with the same weights and optimizer state, to the bit, at the same step."""
+    script, first, again = stopped_and_resumed.script, stopped_and_resumed.resumed, stopped_and_resumed.resumed_again
+    if again is None:
+        pytest.fail("the stopped run wrote no checkpoint (see the stop-and-resume test)")
+    assert first.returncode == 0 and again.returncode == 0, again.stderr[-3000:]
+    ends = [utils.load_checkpoint(run_dir_of(run) / "model.pt", script) for run in (first, again)]
+    assert ends[0]["global_step"] == ends[1]["global_step"] == budget(script)
+    assert ends[0]["iteration"] == ends[1]["iteration"] == budget(script) // CONFIGS[script].batch
+    for name, tensor in ends[0]["model"].items():
+        assert torch.equal(tensor, ends[1]["model"][name]), name
+    for index, state in ends[0]["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(ends[1]["optimizer"]["state"][index][key]))
 
 
 @pytest.mark.skipif("ppo_atari_baseline.py" not in SCRIPTS, reason="needs the baseline")
