@@ -578,9 +578,41 @@ def test_evaluation_reports_mean_std_and_human_normalized_score(stopped_and_resu
     match = EVALUATION.fullmatch(lines[0])
     assert match, lines[0]
     games, mean, std, normalized = int(match.group(1)), *map(float, match.groups()[1:])
-    assert games == 2 and mean >= 0 and std >= 0
+    # two Breakout games: mean +- std are their scores, whole points (the returns themselves
+    # are checked against ale-py in test_evaluation_returns_are_full_game_unclipped_sums)
+    assert games == 2 and all(score >= 0 and score == int(score) for score in (mean + std, mean - std))
     # Breakout: random 1.7, human 30.5; the mean is printed to 2 decimals, the score to 3
     assert normalized == pytest.approx((mean - 1.7) / (30.5 - 1.7), abs=0.0005 + 0.005 / 28.8)
+
+
+def test_evaluation_returns_are_full_game_unclipped_sums():
+    """utils.evaluate (what --eval-checkpoint reports) under a scripted policy, an action read
+    off the screen, against plain ale-py envs with the protocol's settings, seeded as its envs
+    are, stepped with the same policy and summing raw rewards to the game over. MsPacman: its
+    games lose lives and its rewards are 10 and more, so per-life or clipped returns differ."""
+    from ale_py.vector_env import AtariVectorEnv
+
+    def act(obs):  # deterministic, and not the same from game to game
+        return obs[:, -1].sum(dim=(1, 2)) % 9
+
+    episodes, seed = 3, 5
+    returns = utils.evaluate("MsPacman-v5", act, episodes, seed, torch.device("cpu"))
+    expected, clipped, lives_lost = [], [], 0
+    for i in range(episodes):  # evaluate's env i is seeded seed + i and plays one game
+        env = AtariVectorEnv("ms_pacman", 1, **utils.ALE_V5, stack_num=4, num_threads=1)
+        obs, info = utils.seeded_reset(env, seed + i)
+        total, total_clipped, lives = 0.0, 0.0, info["lives"][0]
+        while True:
+            obs, reward, terminated, truncated, info = env.step(act(torch.from_numpy(obs)).numpy())
+            total, total_clipped = total + reward[0], total_clipped + min(reward[0], 1.0)
+            if terminated[0] or truncated[0]:  # (info is the next game's from here)
+                break
+            lives_lost, lives = lives_lost + lives - info["lives"][0], info["lives"][0]
+        expected.append(total)
+        clipped.append(total_clipped)
+        env.close()
+    assert sorted(returns) == sorted(expected)
+    assert lives_lost >= 2 * episodes and all(c < e for c, e in zip(clipped, expected)), (lives_lost, clipped)
 
 
 # ----------------------------------------------------------------------------- 5. non-finite
