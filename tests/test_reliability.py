@@ -487,33 +487,16 @@ def test_no_bad_input_made_a_run_directory_or_ran_a_payload(bad_input_results):
     assert not (ROOT.parent / "escaped").exists()
 
 
-# the rest of the ranges, checked in-process through the scripts' own parse and check (the
-# same utils.cli and utils.check_args every script's main calls first): a subprocess per
-# value would cost the suite minutes and test nothing more
+# the rest of the checks, made in-process through the scripts' own parse and check (the same
+# utils.cli and utils.check_args every script's main calls first): a subprocess per value would
+# cost the suite minutes and test nothing more
 FLAG_CASES = [
-    ("gamma-negative", ["--gamma", "-0.5"], "--gamma must be in [0, 1]"),
-    ("lambda-1.5", ["--gae-lambda", "1.5"], "--gae-lambda must be in [0, 1]"),
-    ("vf-coef-negative", ["--vf-coef", "-1"], "--vf-coef must be finite and >= 0"),
-    ("max-grad-norm-negative", ["--max-grad-norm", "-1"], "--max-grad-norm must be finite and > 0"),
-    ("lr-zero", ["--learning-rate", "0"], "--learning-rate must be finite and > 0"),
-    ("lr-negative", ["--learning-rate", "-1"], "--learning-rate must be finite and > 0"),
-    ("lr-nan", ["--learning-rate", "nan"], "--learning-rate must be finite and > 0"),
-    ("ent-coef-nan", ["--ent-coef", "nan"], "--ent-coef must be finite"),
-    ("ent-coef-inf", ["--ent-coef", "inf"], "--ent-coef must be finite"),
-    ("seed-negative", ["--seed", "-1"], "--seed must be an integer in [0, 2**32 - 1]"),
-    ("seed-too-big", ["--seed", "4294967296"], "--seed must be an integer in [0, 2**32 - 1]"),
-    ("update-epochs-negative", ["--update-epochs", "-1"], "--update-epochs must be at least 0"),
-    ("save-interval-zero", ["--save-interval", "0"], "--save-interval must be at least 1"),
     ("runs-dir-is-a-file", ["--runs-dir", "{file}"], "is not a directory"),
     ("runs-dir-under-a-file", ["--runs-dir", "{file}/runs"], "is not a directory"),
     ("exp-name-with-slash", ["--exp-name", "a/b"], "not a path"),
     ("exp-name-dot-dot", ["--exp-name", ".."], "not a path"),
     ("type-error", ["--num-envs", "four"], "--num-envs"),
     ("computed-field", ["--batch-size", "64"], "Unrecognized options: --batch-size"),
-    ("clip-coef-negative", ["--clip-coef", "-0.1"], "--clip-coef must be finite and > 0"),
-    ("target-kl-negative", ["--target-kl", "-1"], "--target-kl must be finite and > 0"),
-    ("target-kl-nan", ["--target-kl", "nan"], "--target-kl must be finite and > 0"),
-    ("rms-eps-negative", ["--rms-eps", "-1"], "--rms-eps must be finite and >= 0"),
 ]
 FLAG_INPUTS = [
     (script, *case)
@@ -525,7 +508,7 @@ FLAG_INPUTS = [
 
 
 @pytest.mark.parametrize("script, case, args, text", FLAG_INPUTS, ids=[f"{s}-{c}" for s, c, *_ in FLAG_INPUTS])
-def test_out_of_range_flags_are_refused_by_the_scripts_checks(script, case, args, text, tmp_path, monkeypatch, capsys):
+def test_bad_flags_are_refused_by_the_scripts_checks(script, case, args, text, tmp_path, monkeypatch, capsys):
     module = importlib.import_module(Path(script).stem)
     (tmp_path / "file").write_text("not a directory")
     args = [a.format(file=tmp_path / "file") for a in args]
@@ -541,6 +524,62 @@ def test_out_of_range_flags_are_refused_by_the_scripts_checks(script, case, args
         message = str(raised.value)
     assert text in message, message
     assert not (tmp_path / "runs").exists()
+
+
+# every range of utils.RANGES at each of its ends: (values accepted, values refused). A closed
+# end is accepted and the nearest value past it refused; an open end has the value next to it
+# accepted and the end refused; "finite" ranges refuse inf past their open top end, and every
+# float range refuses nan
+SMALLEST, LARGE, PAST_ZERO, PAST_ONE = "5e-324", "1e300", "-0.000001", "1.000001"
+POSITIVE = ([SMALLEST, LARGE], ["0", "nan", "inf"])
+NON_NEGATIVE = (["0", LARGE], [PAST_ZERO, "nan", "inf"])
+AT_LEAST_1 = [
+    "total_timesteps", "num_envs", "num_steps", "num_minibatches", "num_gpu_batches", "num_env_threads",
+    "save_interval", "log_interval", "eval_episodes",
+]  # fmt: skip
+RANGE_ENDS = {
+    "seed": (["0", "4294967295"], ["-1", "4294967296"]),
+    **{name: (["1"], ["0"]) for name in AT_LEAST_1},
+    "update_epochs": (["0"], ["-1"]),
+    "learning_rate": (POSITIVE[0], [*POSITIVE[1], "-1"]),
+    "gamma": (["0", "1"], [PAST_ZERO, PAST_ONE, "nan"]),
+    "gae_lambda": (["0", "1"], [PAST_ZERO, PAST_ONE, "nan"]),
+    "clip_coef": POSITIVE,
+    "ent_coef": NON_NEGATIVE,
+    "vf_coef": NON_NEGATIVE,
+    "max_grad_norm": POSITIVE,
+    "target_kl": POSITIVE,
+    "rms_alpha": (["0", "0.999999"], [PAST_ZERO, "1", "nan"]),
+    "rms_eps": NON_NEGATIVE,
+}
+RANGE_INPUTS = [
+    (script, name)
+    for script in SCRIPTS
+    for name in RANGE_ENDS
+    if hasattr(importlib.import_module(Path(script).stem).Args(), name)
+]
+
+
+def test_every_range_has_its_ends_tested():
+    assert RANGE_ENDS.keys() == utils.RANGES.keys()
+    assert {name for _, name in RANGE_INPUTS} == set(RANGE_ENDS)
+
+
+@pytest.mark.parametrize("script, name", RANGE_INPUTS, ids=[f"{s}-{n}" for s, n in RANGE_INPUTS])
+def test_flag_ranges_hold_at_both_ends(script, name, tmp_path, monkeypatch):
+    module = importlib.import_module(Path(script).stem)
+    flag = "--" + name.replace("_", "-")
+    accepted, refused = RANGE_ENDS[name]
+    for value in accepted + refused:
+        argv = [script, *CONFIGS[script].args, "--runs-dir", str(tmp_path / "runs"), flag, value]
+        monkeypatch.setattr(sys, "argv", argv)
+        args = utils.cli(module.Args)
+        if value in accepted:
+            utils.check_args(args)
+            assert getattr(args, name) == type(getattr(args, name))(float(value))
+        else:
+            with pytest.raises(utils.UsageError, match=f"^{flag} must be .*, got "):
+                utils.check_args(args)
 
 
 def test_precision_resolves_by_hardware_and_bf16_is_refused_where_missing(monkeypatch):
