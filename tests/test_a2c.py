@@ -125,8 +125,9 @@ def test_a2c_runs_and_writes_every_tag(runs_dir):
 def test_a2c_bf16_stop_and_resume_as_tensorboard_shows_it(runs_dir):
     """bf16 runs; Ctrl-C after the first progress line, then the printed resume command: what
     TensorBoard shows (it hides steps >= the resumed writer's purge_step) is one point per
-    iteration, the checkpointed iteration's included, as in an uninterrupted run."""
-    args = ["--num-envs", "4", "--num-steps", "5", "--total-timesteps", "400", "--log-interval", "1"]
+    iteration, the checkpointed iteration's included, as in an uninterrupted run, and with
+    --anneal-lr every iteration's rate on the schedule, 7e-4 * (1 - (iteration - 1) / 20)."""
+    args = ["--num-envs", "4", "--num-steps", "5", "--total-timesteps", "400", "--log-interval", "1", "--anneal-lr"]
     stopped = stop_after_first_progress(
         "a2c_atari.py", [*args, "--precision", "bf16", "--runs-dir", runs_dir], signal.SIGINT, timeout=120
     )
@@ -143,6 +144,9 @@ def test_a2c_bf16_stop_and_resume_as_tensorboard_shows_it(runs_dir):
 
     shown = EventAccumulator(str(run_dir)).Reload()
     assert [e.step for e in shown.Scalars("charts/SPS")] == list(range(20, 401, 20))
+    rates = shown.Scalars("charts/learning_rate")
+    assert [e.step for e in rates] == list(range(20, 401, 20))
+    assert [e.value for e in rates] == pytest.approx([7e-4 * (1 - i / 20) for i in range(20)], rel=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ import math
 import re
 import subprocess
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -44,16 +45,26 @@ def triton_on_cpu(request, monkeypatch):
 
 
 @pytest.mark.skipif(not TRITON_IMPORTED_WITHOUT_INTERPRETER, reason="runs in this process")
-def test_in_fresh_process():
+def test_in_fresh_process(tmp_path):
+    """This file in a child process, where every test but this one must run and pass (a child
+    that skipped them all would also exit 0)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
+    report = tmp_path / "report.xml"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", __file__],
         env=env,
         capture_output=True,
         text=True,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    outcomes = {}
+    for case in ElementTree.parse(report).iter("testcase"):
+        outcome = next((child.tag for child in case if child.tag in ("skipped", "failure", "error")), "passed")
+        outcomes.setdefault(outcome, []).append(case.get("name"))
+    skipped = outcomes.pop("skipped", [])
+    assert skipped == ["test_in_fresh_process"] and set(outcomes) == {"passed"}, (skipped, outcomes)
+    assert len(outcomes["passed"]) >= 100, proc.stdout[-2000:]
 
 
 def randn(*shape, seed, scale=1.0):
@@ -334,22 +345,33 @@ def test_push_frames_refuses_an_nchw_input_buffer():
 
 
 def test_cpu_without_interpreter_uses_reference(monkeypatch):
+    """Without the interpreter CPU calls launch nothing and still fill their out= buffers with
+    the right values (float64 truth, as for the kernels above)."""
     monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", False)
     x, weight, bias = randn(4, 30, seed=1), randn(8, 30, seed=2), randn(8, seed=3)
     out = poisoned(4, 8)
     result, n = launches(lambda: kernels.linear_gelu(x, weight, bias, out=out))
     assert result is out and n == 0
-    assert torch.equal(out, kernels.linear_gelu_reference(x, weight, bias))
+    expected = torch.nn.functional.gelu(x.double() @ weight.double().T + bias.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-5)
     h, wa, ba, wc, bc = heads_inputs(4, 16, 5, seed=9)
     outs = poisoned(4, 5), poisoned(4)
     result, n = launches(lambda: kernels.policy_value_heads(h, wa, ba, wc, bc, *outs))
     assert n == 0 and all(r is o for r, o in zip(result, outs))
-    assert all(torch.isfinite(r).all() for r in result)
+    h64 = h.double()
+    torch.testing.assert_close(outs[0].double(), h64 @ wa.double().T + ba.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1].double(), (h64 @ wc.double().T + bc.double())[:, 0], rtol=1e-5, atol=1e-5)
     logits, uniform = sampling_inputs(4, 5, 1.0, seed=4)
     outs = poisoned(4, dtype=torch.int64), poisoned(4), poisoned(4)
     result, n = launches(lambda: kernels.sample_logits(logits, uniform, *outs))
     assert n == 0 and all(r is o for r, o in zip(result, outs))
-    assert torch.isfinite(result[1]).all() and torch.isfinite(result[2]).all()
+    assert not near_boundary(logits, uniform).any()
+    cdf = torch.softmax(logits.double(), dim=1).cumsum(dim=1)
+    assert outs[0].tolist() == (cdf <= uniform.double()[:, None]).sum(dim=1).tolist()  # the inverse CDF
+    logp64 = torch.log_softmax(logits.double(), dim=1)
+    entropy64 = -torch.where(logp64 > -INF, logp64.exp() * logp64, 0.0).sum(dim=1)
+    torch.testing.assert_close(outs[1].double(), logp64[torch.arange(4), outs[0]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[2].double(), entropy64, rtol=1e-5, atol=1e-5)
 
 
 def test_full_head_path_is_three_launches():

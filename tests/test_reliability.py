@@ -36,7 +36,8 @@ CONFIGS = {
         batch=64, log_every=1, minibatches=True, gpu_batches=True,
     ),
     "a2c_atari.py": SimpleNamespace(
-        args=["--num-envs", "4", "--num-steps", "5", "--total-timesteps", "2000", "--log-interval", "20"],
+        args=["--num-envs", "4", "--num-steps", "5", "--total-timesteps", "2000", "--log-interval", "20",
+              "--anneal-lr"],  # on, as in the PPO scripts: a resume must continue the schedule
         batch=20, log_every=20, minibatches=False, gpu_batches=True,
     ),
 }  # fmt: skip
@@ -50,7 +51,11 @@ CONFIGS_ARGS = {
     }
     for script, c in CONFIGS.items()
 }
-PER_ITERATION_TAGS = ["charts/SPS", "charts/learning_rate", "losses/value_loss"]
+# the values every script logs once per logged iteration
+PER_ITERATION_TAGS = [
+    "charts/SPS", "charts/learning_rate", "losses/value_loss", "losses/policy_loss", "losses/entropy",
+    "losses/explained_variance",
+]  # fmt: skip
 STOPPED = re.compile(r"stopped by (SIGINT|SIGTERM) at step ([\d,]+); resume with: (.+)")
 
 
@@ -58,6 +63,21 @@ def budget(script) -> int:
     config = CONFIGS[script]
     total = int(config.args[config.args.index("--total-timesteps") + 1])
     return total // config.batch * config.batch
+
+
+def logged_steps(script) -> list:
+    """The steps at which an uninterrupted tiny run logs its per-iteration values."""
+    config = CONFIGS[script]
+    iterations = budget(script) // config.batch
+    return [i * config.batch for i in range(1, iterations + 1) if i % config.log_every == 0 or i == iterations]
+
+
+def learning_rates(script) -> list:
+    """The rates an uninterrupted tiny run logs, at logged_steps: CleanRL's linear annealing,
+    the default rate times 1 - (iteration - 1) / iterations."""
+    config, rate = CONFIGS[script], importlib.import_module(Path(script).stem).Args().learning_rate
+    iterations = budget(script) // config.batch
+    return [rate * (1 - (step // config.batch - 1) / iterations) for step in logged_steps(script)]
 
 
 # ----------------------------------------------------------------------------- processes
@@ -162,16 +182,25 @@ def stopped_and_resumed(request, tmp_path_factory):
     pristine = tmp_path_factory.mktemp(f"pristine-{Path(script).stem}") / "checkpoint.pt"
     if (stopped.run_dir / "checkpoint.pt").is_file():
         shutil.copy(stopped.run_dir / "checkpoint.pt", pristine)
-    resumed = None
+    resumed = resumed_again = None
     match = STOPPED.search(stopped.stdout)
     if match:
         command = shlex.split(match.group(3))
         resumed = run_script(command[1], *command[2:], check=False)
-    return SimpleNamespace(script=script, stopped=stopped, resumed=resumed, pristine=pristine)
+        if pristine.is_file():  # the same resume again, from a copy of the checkpoint in a directory of its own
+            again = tmp_path_factory.mktemp(f"again-{Path(script).stem}") / "checkpoint.pt"
+            shutil.copy(pristine, again)
+            resumed_again = run_script(command[1], *command[2:-1], again, check=False)
+    return SimpleNamespace(
+        script=script, stopped=stopped, resumed=resumed, pristine=pristine, resumed_again=resumed_again
+    )
 
 
 # ----------------------------------------------------------------------------- 1. stop and resume
 def test_sigint_then_resume_ends_where_an_uninterrupted_run_does(stopped_and_resumed):
+    """Stopped by Ctrl-C and resumed, a run ends at the step an uninterrupted one does and logs
+    what it logs: every per-iteration value once, at the same steps, and the learning rate of
+    every logged iteration on the annealing schedule (annealing on in every tiny config)."""
     script, stopped, resumed = stopped_and_resumed.script, stopped_and_resumed.stopped, stopped_and_resumed.resumed
     step, command = assert_stopped_cleanly(stopped, script, "SIGINT")
     if script == "ppo_atari_baseline.py":
@@ -185,14 +214,30 @@ def test_sigint_then_resume_ends_where_an_uninterrupted_run_does(stopped_and_res
 
     scalars = read_scalars(stopped.run_dir)
     assert len(list(stopped.run_dir.glob("events.out.tfevents.*"))) == 2
-    config = CONFIGS[script]
-    iterations = budget(script) // config.batch
-    expected = [i * config.batch for i in range(1, iterations + 1) if i % config.log_every == 0 or i == iterations]
-    sps_steps = [s for s, _ in scalars["charts/SPS"]]
-    assert sps_steps == expected, f"stopped at {step}: {sps_steps}"  # as an uninterrupted run
-    for tag in PER_ITERATION_TAGS:
-        steps = [s for s, _ in scalars[tag]]
-        assert len(steps) == len(set(steps)), f"{tag} has duplicated steps: {steps}"
+    for tag in PER_ITERATION_TAGS:  # every event, the stopped run's and the resumed run's, as an uninterrupted run
+        assert [s for s, _ in scalars[tag]] == logged_steps(script), f"{tag}, stopped at {step}"
+    # the schedule goes on where it was: a restarted one would log the first rate again
+    rates = [rate for _, rate in scalars["charts/learning_rate"]]
+    assert rates == pytest.approx(learning_rates(script), rel=1e-6), f"stopped at {step}"
+
+
+def test_two_resumes_from_one_checkpoint_end_with_the_same_weights(stopped_and_resumed):
+    """A resumed run cannot equal an uninterrupted one in weights: envs cannot be checkpointed,
+    so it reseeds them (from the seed and the iteration) and plays new games. What must hold is
+    that a resume depends on nothing but the checkpoint and the command line: the same resume
+    run twice ends with the same weights and optimizer state, to the bit, at the same step."""
+    script, first, again = stopped_and_resumed.script, stopped_and_resumed.resumed, stopped_and_resumed.resumed_again
+    if again is None:
+        pytest.fail("the stopped run wrote no checkpoint (see the stop-and-resume test)")
+    assert first.returncode == 0 and again.returncode == 0, again.stderr[-3000:]
+    ends = [utils.load_checkpoint(run_dir_of(run) / "model.pt", script) for run in (first, again)]
+    assert ends[0]["global_step"] == ends[1]["global_step"] == budget(script)
+    assert ends[0]["iteration"] == ends[1]["iteration"] == budget(script) // CONFIGS[script].batch
+    for name, tensor in ends[0]["model"].items():
+        assert torch.equal(tensor, ends[1]["model"][name]), name
+    for index, state in ends[0]["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(ends[1]["optimizer"]["state"][index][key]))
 
 
 @pytest.mark.skipif("ppo_atari_baseline.py" not in SCRIPTS, reason="needs the baseline")
@@ -442,33 +487,16 @@ def test_no_bad_input_made_a_run_directory_or_ran_a_payload(bad_input_results):
     assert not (ROOT.parent / "escaped").exists()
 
 
-# the rest of the ranges, checked in-process through the scripts' own parse and check (the
-# same utils.cli and utils.check_args every script's main calls first): a subprocess per
-# value would cost the suite minutes and test nothing more
+# the rest of the checks, made in-process through the scripts' own parse and check (the same
+# utils.cli and utils.check_args every script's main calls first): a subprocess per value would
+# cost the suite minutes and test nothing more
 FLAG_CASES = [
-    ("gamma-negative", ["--gamma", "-0.5"], "--gamma must be in [0, 1]"),
-    ("lambda-1.5", ["--gae-lambda", "1.5"], "--gae-lambda must be in [0, 1]"),
-    ("vf-coef-negative", ["--vf-coef", "-1"], "--vf-coef must be finite and >= 0"),
-    ("max-grad-norm-negative", ["--max-grad-norm", "-1"], "--max-grad-norm must be finite and > 0"),
-    ("lr-zero", ["--learning-rate", "0"], "--learning-rate must be finite and > 0"),
-    ("lr-negative", ["--learning-rate", "-1"], "--learning-rate must be finite and > 0"),
-    ("lr-nan", ["--learning-rate", "nan"], "--learning-rate must be finite and > 0"),
-    ("ent-coef-nan", ["--ent-coef", "nan"], "--ent-coef must be finite"),
-    ("ent-coef-inf", ["--ent-coef", "inf"], "--ent-coef must be finite"),
-    ("seed-negative", ["--seed", "-1"], "--seed must be an integer in [0, 2**32 - 1]"),
-    ("seed-too-big", ["--seed", "4294967296"], "--seed must be an integer in [0, 2**32 - 1]"),
-    ("update-epochs-negative", ["--update-epochs", "-1"], "--update-epochs must be at least 0"),
-    ("save-interval-zero", ["--save-interval", "0"], "--save-interval must be at least 1"),
     ("runs-dir-is-a-file", ["--runs-dir", "{file}"], "is not a directory"),
     ("runs-dir-under-a-file", ["--runs-dir", "{file}/runs"], "is not a directory"),
     ("exp-name-with-slash", ["--exp-name", "a/b"], "not a path"),
     ("exp-name-dot-dot", ["--exp-name", ".."], "not a path"),
     ("type-error", ["--num-envs", "four"], "--num-envs"),
     ("computed-field", ["--batch-size", "64"], "Unrecognized options: --batch-size"),
-    ("clip-coef-negative", ["--clip-coef", "-0.1"], "--clip-coef must be finite and > 0"),
-    ("target-kl-negative", ["--target-kl", "-1"], "--target-kl must be finite and > 0"),
-    ("target-kl-nan", ["--target-kl", "nan"], "--target-kl must be finite and > 0"),
-    ("rms-eps-negative", ["--rms-eps", "-1"], "--rms-eps must be finite and >= 0"),
 ]
 FLAG_INPUTS = [
     (script, *case)
@@ -480,7 +508,7 @@ FLAG_INPUTS = [
 
 
 @pytest.mark.parametrize("script, case, args, text", FLAG_INPUTS, ids=[f"{s}-{c}" for s, c, *_ in FLAG_INPUTS])
-def test_out_of_range_flags_are_refused_by_the_scripts_checks(script, case, args, text, tmp_path, monkeypatch, capsys):
+def test_bad_flags_are_refused_by_the_scripts_checks(script, case, args, text, tmp_path, monkeypatch, capsys):
     module = importlib.import_module(Path(script).stem)
     (tmp_path / "file").write_text("not a directory")
     args = [a.format(file=tmp_path / "file") for a in args]
@@ -496,6 +524,62 @@ def test_out_of_range_flags_are_refused_by_the_scripts_checks(script, case, args
         message = str(raised.value)
     assert text in message, message
     assert not (tmp_path / "runs").exists()
+
+
+# every range of utils.RANGES at each of its ends: (values accepted, values refused). A closed
+# end is accepted and the nearest value past it refused; an open end has the value next to it
+# accepted and the end refused; "finite" ranges refuse inf past their open top end, and every
+# float range refuses nan
+SMALLEST, LARGE, PAST_ZERO, PAST_ONE = "5e-324", "1e300", "-0.000001", "1.000001"
+POSITIVE = ([SMALLEST, LARGE], ["0", "nan", "inf"])
+NON_NEGATIVE = (["0", LARGE], [PAST_ZERO, "nan", "inf"])
+AT_LEAST_1 = [
+    "total_timesteps", "num_envs", "num_steps", "num_minibatches", "num_gpu_batches", "num_env_threads",
+    "save_interval", "log_interval", "eval_episodes",
+]  # fmt: skip
+RANGE_ENDS = {
+    "seed": (["0", "4294967295"], ["-1", "4294967296"]),
+    **{name: (["1"], ["0"]) for name in AT_LEAST_1},
+    "update_epochs": (["0"], ["-1"]),
+    "learning_rate": (POSITIVE[0], [*POSITIVE[1], "-1"]),
+    "gamma": (["0", "1"], [PAST_ZERO, PAST_ONE, "nan"]),
+    "gae_lambda": (["0", "1"], [PAST_ZERO, PAST_ONE, "nan"]),
+    "clip_coef": POSITIVE,
+    "ent_coef": NON_NEGATIVE,
+    "vf_coef": NON_NEGATIVE,
+    "max_grad_norm": POSITIVE,
+    "target_kl": POSITIVE,
+    "rms_alpha": (["0", "0.999999"], [PAST_ZERO, "1", "nan"]),
+    "rms_eps": NON_NEGATIVE,
+}
+RANGE_INPUTS = [
+    (script, name)
+    for script in SCRIPTS
+    for name in RANGE_ENDS
+    if hasattr(importlib.import_module(Path(script).stem).Args(), name)
+]
+
+
+def test_every_range_has_its_ends_tested():
+    assert RANGE_ENDS.keys() == utils.RANGES.keys()
+    assert {name for _, name in RANGE_INPUTS} == set(RANGE_ENDS)
+
+
+@pytest.mark.parametrize("script, name", RANGE_INPUTS, ids=[f"{s}-{n}" for s, n in RANGE_INPUTS])
+def test_flag_ranges_hold_at_both_ends(script, name, tmp_path, monkeypatch):
+    module = importlib.import_module(Path(script).stem)
+    flag = "--" + name.replace("_", "-")
+    accepted, refused = RANGE_ENDS[name]
+    for value in accepted + refused:
+        argv = [script, *CONFIGS[script].args, "--runs-dir", str(tmp_path / "runs"), flag, value]
+        monkeypatch.setattr(sys, "argv", argv)
+        args = utils.cli(module.Args)
+        if value in accepted:
+            utils.check_args(args)
+            assert getattr(args, name) == type(getattr(args, name))(float(value))
+        else:
+            with pytest.raises(utils.UsageError, match=f"^{flag} must be .*, got "):
+                utils.check_args(args)
 
 
 def test_precision_resolves_by_hardware_and_bf16_is_refused_where_missing(monkeypatch):
@@ -533,9 +617,41 @@ def test_evaluation_reports_mean_std_and_human_normalized_score(stopped_and_resu
     match = EVALUATION.fullmatch(lines[0])
     assert match, lines[0]
     games, mean, std, normalized = int(match.group(1)), *map(float, match.groups()[1:])
-    assert games == 2 and mean >= 0 and std >= 0
+    # two Breakout games: mean +- std are their scores, whole points (the returns themselves
+    # are checked against ale-py in test_evaluation_returns_are_full_game_unclipped_sums)
+    assert games == 2 and all(score >= 0 and score == int(score) for score in (mean + std, mean - std))
     # Breakout: random 1.7, human 30.5; the mean is printed to 2 decimals, the score to 3
     assert normalized == pytest.approx((mean - 1.7) / (30.5 - 1.7), abs=0.0005 + 0.005 / 28.8)
+
+
+def test_evaluation_returns_are_full_game_unclipped_sums():
+    """utils.evaluate (what --eval-checkpoint reports) under a scripted policy, an action read
+    off the screen, against plain ale-py envs with the protocol's settings, seeded as its envs
+    are, stepped with the same policy and summing raw rewards to the game over. MsPacman: its
+    games lose lives and its rewards are 10 and more, so per-life or clipped returns differ."""
+    from ale_py.vector_env import AtariVectorEnv
+
+    def act(obs):  # deterministic, and not the same from game to game
+        return obs[:, -1].sum(dim=(1, 2)) % 9
+
+    episodes, seed = 3, 5
+    returns = utils.evaluate("MsPacman-v5", act, episodes, seed, torch.device("cpu"))
+    expected, clipped, lives_lost = [], [], 0
+    for i in range(episodes):  # evaluate's env i is seeded seed + i and plays one game
+        env = AtariVectorEnv("ms_pacman", 1, **utils.ALE_V5, stack_num=4, num_threads=1)
+        obs, info = utils.seeded_reset(env, seed + i)
+        total, total_clipped, lives = 0.0, 0.0, info["lives"][0]
+        while True:
+            obs, reward, terminated, truncated, info = env.step(act(torch.from_numpy(obs)).numpy())
+            total, total_clipped = total + reward[0], total_clipped + min(reward[0], 1.0)
+            if terminated[0] or truncated[0]:  # (info is the next game's from here)
+                break
+            lives_lost, lives = lives_lost + lives - info["lives"][0], info["lives"][0]
+        expected.append(total)
+        clipped.append(total_clipped)
+        env.close()
+    assert sorted(returns) == sorted(expected)
+    assert lives_lost >= 2 * episodes and all(c < e for c, e in zip(clipped, expected)), (lives_lost, clipped)
 
 
 # ----------------------------------------------------------------------------- 5. non-finite
