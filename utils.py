@@ -190,7 +190,7 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-# The valid range of every numeric flag (the README's conventions list them too), checked
+# The valid range of every numeric flag (each flag's --help states it too), checked
 # before anything starts: flag -> (what it must be, test).
 RANGES = {
     "seed": ("an integer in [0, 2**32 - 1]", lambda v: 0 <= v < 2**32),
