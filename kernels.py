@@ -76,7 +76,7 @@ def _counted():
         LAUNCHES += 1
 
 
-# Triton's interpreter is not thread-safe (seen here: launches from the rollout's worker
+# Triton's interpreter is not thread-safe (launches from the rollout's worker
 # threads failed under TRITON_INTERPRET=1), so CPU launches take turns. On a GPU the first
 # launch of each specialization compiles, which is not thread-safe either: the scripts warm
 # every launch up on the main thread before any worker starts (see `warm_up`).
@@ -559,7 +559,7 @@ def push_frames_kernel(
             v = tl.load(staged_ptr + env * STAGED_ROW + pixel, mask=ok)
         tl.store(obs + c * FRAME + pixel, v, mask=ok)
         # float32 multiply, then one rounding (to nearest even) to x's dtype: what the learner's
-        # x * (1 / 255) does. (Triton's interpreter truncates instead: 1 bf16 ulp apart, seen here.)
+        # x * (1 / 255) does. (Triton's interpreter truncates instead: 1 bf16 ulp apart.)
         tl.store(x + c, (v.to(tl.float32) * (1.0 / 255.0)).to(x_ptr.dtype.element_ty), mask=ok)
 
 

@@ -719,7 +719,7 @@ def seeded_reset(envs, seed):
 
     ale-py seeds each env's noop generator and ALE's sticky-action generator with the same
     seed, so their first draws agree: the first game's FIRE frame was dropped exactly when its
-    noop count was small (seen here, Breakout: no ball served iff at most 7 frames before the
+    noop count was small (Breakout: no ball served iff at most 7 frames before the
     first observation). A second reset, unseeded, draws both from unrelated positions.
     Env i gets seed + i, wrapped into ale-py's range (a C int: below 2**31).
     """
@@ -889,9 +889,8 @@ def env_threads(requested, device, num_batches, batch_size, local_rank=0, local_
     On CUDA the default is this process's share of the cores but one, which its driver thread
     keeps (under torchrun the cores are shared by the processes on the machine), and the
     threads are pinned to disjoint cores when the process may use every core of the machine.
-    On CPU the default gives each batch min(cores, its size) threads, unpinned: inference runs
-    on the same cores, and this was measured fastest on 2 cores (1 or 3 threads per batch were
-    not faster)."""
+    On CPU the default gives each batch min(cores, its size) threads, unpinned, since inference
+    runs on the same cores (docs/rollout.md)."""
     cores, whole_machine = usable_cores()
     share = max(1, cores // local_world_size)
     if requested is None:
