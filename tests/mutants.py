@@ -20,9 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # test selections: what covers each part of the code
-NATIVE = ["tests/test_native.py", "tests/test_algorithm.py", "tests/test_rollout.py", "tests/test_network.py"]
-BASELINE = ["tests/test_baseline.py", "tests/test_algorithm.py"]
-A2C = ["tests/test_a2c.py", "tests/test_algorithm.py"]
+NATIVE = ["tests/test_algorithm.py", "tests/test_rollout.py", "tests/test_network.py", "tests/test_native.py"]
+BASELINE = ["tests/test_algorithm.py", "tests/test_baseline.py"]
+A2C = ["tests/test_algorithm.py", "tests/test_a2c.py"]
 RESUME = ["tests/test_reliability.py", "tests/test_a2c.py", "-k", "resume or sigint or rng or checkpoint or stop"]
 DISTRIBUTED = ["tests/test_distributed.py"]
 
