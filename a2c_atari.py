@@ -206,6 +206,37 @@ def gae(rewards, values, dones, gamma, gae_lambda):
     return advantages, advantages + values[:-1]
 
 
+def update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dtype):
+    """Stable-Baselines3's A2C update: one gradient step on the whole batch.
+
+    Returns the value, policy and entropy losses (a device tensor [3]) and a device bool: is the
+    loss non-finite. Never syncs with the host.
+    """
+    if args.norm_adv:
+        b_advantages = (b_advantages - b_advantages.mean()) / (b_advantages.std() + 1e-8)
+
+    # log-probs and values from the training network (they equal the rollout's: the weights
+    # have not changed since)
+    with torch.autocast(b_obs.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs, b_actions)
+    newvalue = newvalue.view(-1)
+
+    pg_loss = -(b_advantages * newlogprob).mean()
+    # Value loss: the plain mean squared error, as stable-baselines3's A2C does
+    # (F.mse_loss(returns, values) * vf_coef), without the 1/2 of the PPO scripts:
+    # vf_coef 0.25 is rl-zoo's value tuned for that form
+    v_loss = ((newvalue - b_returns) ** 2).mean()
+    entropy_loss = entropy.mean()
+    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+    nonfinite = ~torch.isfinite(loss)
+
+    optimizer.zero_grad()
+    loss.backward()
+    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+    optimizer.step()
+    return torch.stack([v_loss, pg_loss, entropy_loss]).detach(), nonfinite
+
+
 def parse_args() -> Args:
     args = utils.cli(Args)  # tyro.cli, with its errors as one line
     utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir
@@ -390,30 +421,11 @@ if __name__ == "__main__":
             b_actions = actions[:T].reshape(-1)
             b_advantages = advantages.reshape(-1)
             b_returns = returns.reshape(-1)
-            if args.norm_adv:
-                b_advantages = (b_advantages - b_advantages.mean()) / (b_advantages.std() + 1e-8)
 
-            # one gradient step on the whole batch, log-probs and values from the training
-            # network (they equal the rollout's: the weights have not changed since)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs, b_actions)
-            newvalue = newvalue.view(-1)
-
-            pg_loss = -(b_advantages * newlogprob).mean()
-            # Value loss: the plain mean squared error, as stable-baselines3's A2C does
-            # (F.mse_loss(returns, values) * vf_coef), without the 1/2 of the PPO scripts:
-            # vf_coef 0.25 is rl-zoo's value tuned for that form
-            v_loss = ((newvalue - b_returns) ** 2).mean()
-            entropy_loss = entropy.mean()
-            loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-            nonfinite = ~torch.isfinite(loss)
-
-            optimizer.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-            optimizer.step()
+            # one gradient step on the whole batch
+            losses, nonfinite = update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dtype)
             with torch.no_grad():  # summed until the next log line, no sync
-                stats += torch.stack([v_loss, pg_loss, entropy_loss]).detach()
+                stats += losses
                 interval_values[logged_iterations].copy_(values[:T])
                 interval_returns[logged_iterations].copy_(returns)
                 logged_iterations += 1

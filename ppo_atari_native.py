@@ -248,6 +248,78 @@ def all_reduce_gradients(parameters, world_size):
         offset += g.numel()
 
 
+def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, args, dtype, world_size):
+    """CleanRL's PPO update: args.update_epochs passes over the batch, shuffled by torch's global
+    RNG, in minibatches; stops after an epoch past args.target_kl (the only sync with the host).
+
+    Returns stats [8] on the device (the last minibatch's value, policy and entropy losses,
+    old_approx_kl and approx_kl, then the sum of the minibatches' clip fractions and their
+    count) and a device bool: was any loss non-finite.
+    """
+    device = b_obs.device
+    stats = torch.zeros(8, device=device)
+    nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+    for epoch in range(args.update_epochs):
+        b_inds = torch.randperm(args.batch_size, device=device)
+        for start in range(0, args.batch_size, args.minibatch_size):
+            end = start + args.minibatch_size
+            mb_inds = b_inds[start:end]
+
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
+            logratio = newlogprob - b_logprobs[mb_inds]
+            ratio = logratio.exp()
+            with torch.no_grad():
+                # calculate approx_kl http://joschu.net/blog/kl-approx.html
+                old_approx_kl = (-logratio).mean()
+                approx_kl = ((ratio - 1) - logratio).mean()
+                clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+
+            mb_advantages = b_advantages[mb_inds]
+            if args.norm_adv:
+                mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+
+            # Policy loss
+            pg_loss1 = -mb_advantages * ratio
+            pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+            pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+            # Value loss
+            newvalue = newvalue.view(-1)
+            if args.clip_vloss:
+                v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
+                v_clipped = b_values[mb_inds] + torch.clamp(
+                    newvalue - b_values[mb_inds],
+                    -args.clip_coef,
+                    args.clip_coef,
+                )
+                v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+                v_loss_max = torch.max(v_loss_unclipped, v_loss_clipped)
+                v_loss = 0.5 * v_loss_max.mean()
+            else:
+                v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
+
+            entropy_loss = entropy.mean()
+            loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+            nonfinite |= ~torch.isfinite(loss)
+
+            optimizer.zero_grad()
+            loss.backward()
+            if world_size > 1:  # torchrun: every rank steps with the mean gradient
+                all_reduce_gradients(agent.parameters(), world_size)
+            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+            optimizer.step()
+            with torch.no_grad():  # the last minibatch's losses, every minibatch's clipfrac
+                last = torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl])
+                stats[:5] = last.detach()
+                stats[5] += clipfrac
+                stats[6] += 1
+
+        if args.target_kl is not None and approx_kl > args.target_kl:
+            break
+    return stats, nonfinite
+
+
 if __name__ == "__main__":
     script = Path(__file__).name
     # any torchrun process, even a lone one, joins a process group: one GPU runs the NCCL path too
@@ -452,68 +524,10 @@ if __name__ == "__main__":
             b_values = values[:T].reshape(-1)
 
             # Optimizing the policy and value network; statistics stay on the device until the end
-            stats = torch.zeros(8, device=device)
-            nonfinite = torch.zeros((), dtype=torch.bool, device=device)
-            for epoch in range(args.update_epochs):
-                b_inds = torch.randperm(args.batch_size, device=device)
-                for start in range(0, args.batch_size, args.minibatch_size):
-                    end = start + args.minibatch_size
-                    mb_inds = b_inds[start:end]
-
-                    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                        _, newlogprob, entropy, newvalue = agent.get_action_and_value(
-                            b_obs[mb_inds], b_actions[mb_inds]
-                        )
-                    logratio = newlogprob - b_logprobs[mb_inds]
-                    ratio = logratio.exp()
-                    with torch.no_grad():
-                        # calculate approx_kl http://joschu.net/blog/kl-approx.html
-                        old_approx_kl = (-logratio).mean()
-                        approx_kl = ((ratio - 1) - logratio).mean()
-                        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
-
-                    mb_advantages = b_advantages[mb_inds]
-                    if args.norm_adv:
-                        mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
-
-                    # Policy loss
-                    pg_loss1 = -mb_advantages * ratio
-                    pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-                    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-
-                    # Value loss
-                    newvalue = newvalue.view(-1)
-                    if args.clip_vloss:
-                        v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
-                        v_clipped = b_values[mb_inds] + torch.clamp(
-                            newvalue - b_values[mb_inds],
-                            -args.clip_coef,
-                            args.clip_coef,
-                        )
-                        v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
-                        v_loss_max = torch.max(v_loss_unclipped, v_loss_clipped)
-                        v_loss = 0.5 * v_loss_max.mean()
-                    else:
-                        v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
-
-                    entropy_loss = entropy.mean()
-                    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-                    nonfinite |= ~torch.isfinite(loss)
-
-                    optimizer.zero_grad()
-                    loss.backward()
-                    if distributed:
-                        all_reduce_gradients(agent.parameters(), world_size)
-                    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    with torch.no_grad():  # the last minibatch's losses, the epoch's clipfracs
-                        last = torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl])
-                        stats[:5] = last.detach()
-                        stats[5] += clipfrac
-                        stats[6] += 1
-
-                if args.target_kl is not None and approx_kl > args.target_kl:
-                    break
+            stats, nonfinite = update(
+                agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values,
+                args, dtype, world_size,
+            )  # fmt: skip
             if args.update_epochs > 0:  # and the next rollout must not start from non-finite outputs
                 nonfinite |= utils.nonfinite_policy(agent, obs[T])
 
