@@ -1,24 +1,12 @@
-"""A2C on Atari, on the same fast rollout machinery as ppo_atari_native.py.
+"""A2C on Atari with rl-zoo's settings, on ppo_atari_native.py's fast rollout.
 
-A2C (synchronous advantage actor-critic) with rl-zoo's Atari settings: 16 envs, 5 steps per
-update, n-step returns (GAE with lambda 1), one gradient step per rollout, RMSprop with the
-TensorFlow-style epsilon at a constant learning rate, no advantage normalization.
-
-The rollout is ppo_atari_native.py's, unchanged (see its docstring for why it is built so):
-- Envs are stepped by ale-py's C++ threads (utils.ThreadedAtariEnvs), which release the GIL,
-  split into --num-gpu-batches fixed batches, each with its own CUDA stream and buffers.
-- One batch-step on the device is kernels.policy_step (frame stacks kept in the storage, the
-  network, sampling from uniforms drawn once per iteration), replayed from a CUDA graph on
-  CUDA; one driver thread serves the batches on CUDA, a worker thread per batch on CPU.
-- --precision auto: bf16 where the hardware has it, fp32 elsewhere (as in the PPO script).
-What is A2C's own: the update (one pass over the 80 samples, log-probs recomputed with
-autograd), the RMSprop-TF optimizer below, and logging every --log-interval iterations
-(an iteration is only 80 agent steps).
+16 envs x 5 steps, n-step returns (GAE with lambda 1), one gradient step per rollout, RMSprop
+with TensorFlow's epsilon at a constant learning rate, no advantage normalization; logged every
+--log-interval iterations (an iteration is 80 agent steps). The rollout: docs/rollout.md.
 Run: python a2c_atari.py --env-id Breakout-v5
 """
 
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -277,7 +265,7 @@ if __name__ == "__main__":
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 
-    # seeding
+    # TRY NOT TO MODIFY: seeding
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -285,18 +273,7 @@ if __name__ == "__main__":
 
     if args.eval_checkpoint is not None:
         print(utils.describe_run(args, device, "evaluation envs"), flush=True)
-        agent = Agent(evaluated["num_actions"]).to(device)
-        agent.load_state_dict(evaluated["model"])
-        video_dir = Path(args.eval_checkpoint).parent / "videos"
-        act = lambda obs: agent.get_action_and_value(obs)[0]  # noqa: E731
-        try:
-            returns = utils.evaluate(
-                args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir
-            )
-        except utils.UsageError as e:
-            utils.fail(str(e))
-        print(utils.report_evaluation(args.env_id, returns))
-        sys.exit(0)
+        utils.evaluate_checkpoint(Agent, evaluated, args, device)
 
     # how the envs are stepped: C++ env threads, and who serves the env batches
     num_batches = args.num_gpu_batches
@@ -305,9 +282,6 @@ if __name__ == "__main__":
         1 if args.driver == "sequential" else args.num_env_threads, device, num_batches, batch
     )
     graphs = args.cuda_graphs and device.type == "cuda"
-    envs_text = f"{args.num_envs} envs x {num_batches} batches, {utils.threads_text(threads_per_batch)}"
-    envs_text += " pinned" if first_core is not None else ""
-    envs_text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}"
     # the rollout's policy step: the fused kernels where the Agent is the network they mirror
     # (checked on real frames), else the Agent's own forward; never another policy than the learner's
     agent = Agent(utils.num_actions(args.env_id)).to(device, memory_format=torch.channels_last)
@@ -315,7 +289,7 @@ if __name__ == "__main__":
         policy = kernels.rollout_policy(args.policy, agent, dtype, utils.probe_frames(args.env_id, batch, device))
     except kernels.PolicyMismatch as e:
         utils.fail(str(e))
-    envs_text += f", policy {policy.name}" + (f" ({policy.reason})" if policy.reason else "")
+    envs_text = utils.rollout_text(args, threads_per_batch, first_core, driver, graphs, policy)
     print(utils.describe_run(args, device, envs_text, precision), flush=True)
 
     # log setup: a resumed run continues in its own directory and step count
@@ -382,8 +356,7 @@ if __name__ == "__main__":
         driver=driver, cuda_graphs=graphs, timer=timer,
     )  # fmt: skip
 
-    # start the game: the first frames go to the slot after the horizon, which each rollout
-    # moves to step 0
+    # TRY NOT TO MODIFY: start the game (its first frames go to obs[T], which each rollout moves to step 0)
     progress = utils.Progress(args.total_timesteps, global_step)
     rollout.start()
     iteration = start_iteration
@@ -422,7 +395,7 @@ if __name__ == "__main__":
             b_advantages = advantages.reshape(-1)
             b_returns = returns.reshape(-1)
 
-            # one gradient step on the whole batch
+            # ALGO LOGIC: one gradient step on the whole batch (update, above)
             losses, nonfinite = update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dtype)
             with torch.no_grad():  # summed until the next log line, no sync
                 stats += losses
@@ -430,11 +403,9 @@ if __name__ == "__main__":
                 interval_returns[logged_iterations].copy_(returns)
                 logged_iterations += 1
 
-        # logging: one sync per iteration for the non-finite check (the rollout syncs each
-        # step anyway); everything else every --log-interval iterations. Weights that this
-        # update made overflow show up in the next iteration's loss, which recomputes
-        # everything from them (the sampler picks valid actions even from NaN logits);
-        # checkpoints check the weights and outputs themselves, below
+        # TRY NOT TO MODIFY: record losses for plotting purposes, every --log-interval iterations;
+        # the non-finite check every iteration (weights this update made overflow show up in
+        # the next iteration's loss; checkpoints check the weights themselves, below)
         if bool(nonfinite):
             utils.fail_diverged("non-finite loss", iteration, run_dir / "checkpoint.pt", writer, envs)
         if iteration % args.log_interval == 0 or iteration == args.num_iterations:

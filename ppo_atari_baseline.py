@@ -7,7 +7,6 @@ SLM Lab PPO Atari spec. Run: python ppo_atari_baseline.py --env-id Breakout-v5
 """
 
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,25 +312,14 @@ if __name__ == "__main__":
         utils.fail(str(e))
     print(utils.describe_run(args, device, f"{args.num_envs} envs ({args.vector_mode} vector env)"), flush=True)
 
-    # seeding
+    # TRY NOT TO MODIFY: seeding
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     if args.eval_checkpoint is not None:
-        agent = Agent(evaluated["num_actions"]).to(device)
-        agent.load_state_dict(evaluated["model"])
-        video_dir = Path(args.eval_checkpoint).parent / "videos"
-        act = lambda obs: agent.get_action_and_value(obs.float())[0]  # noqa: E731
-        try:
-            returns = utils.evaluate(
-                args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir
-            )
-        except utils.UsageError as e:
-            utils.fail(str(e))
-        print(utils.report_evaluation(args.env_id, returns))
-        sys.exit(0)
+        utils.evaluate_checkpoint(Agent, evaluated, args, device)
 
     # log setup: a resumed run continues in its own directory and step count
     if checkpoint is not None:
@@ -384,7 +372,7 @@ if __name__ == "__main__":
     dones = torch.zeros((args.num_steps, args.num_envs)).to(device)
     values = torch.zeros((args.num_steps, args.num_envs)).to(device)
 
-    # start the game
+    # TRY NOT TO MODIFY: start the game
     progress = utils.Progress(args.total_timesteps, global_step)
     next_obs, _ = envs.reset(seed=env_seed)
     next_obs = torch.tensor(next_obs, device=device)
@@ -399,7 +387,7 @@ if __name__ == "__main__":
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
-        # rollout
+        # ALGO LOGIC: rollout
         rollout_start = time.perf_counter()
         for step in range(0, args.num_steps):
             if stop:
@@ -446,7 +434,7 @@ if __name__ == "__main__":
         b_returns = returns.reshape(-1)
         b_values = values.reshape(-1)
 
-        # Optimizing the policy and value network
+        # ALGO LOGIC: optimizing the policy and value network (update, above)
         if args.update_epochs > 0:
             try:
                 v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfracs = update(
@@ -458,7 +446,7 @@ if __name__ == "__main__":
             if utils.nonfinite_policy(agent, next_obs):
                 utils.fail_diverged("non-finite weights or outputs", iteration, run_dir / "checkpoint.pt", writer, envs)
 
-        # logging
+        # TRY NOT TO MODIFY: record losses for plotting purposes
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
         if args.update_epochs > 0:
             y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()

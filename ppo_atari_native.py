@@ -1,35 +1,13 @@
 """PPO on Atari with a rollout built for speed; the same PPO as ppo_atari_baseline.py.
 
-What is different from the baseline, and why:
-- Envs are stepped by ale-py's C++ threads (utils.ThreadedAtariEnvs), which release the GIL:
-  --num-env-threads of them in all, split over --num-gpu-batches fixed env batches.
-- Each env batch has its own CUDA stream and buffers. Its step on the device is one call,
-  kernels.policy_step: the new frames pushed onto the 4-frame stacks, which live in the
-  rollout storage (only the newest 84x84 frame crosses to the device), then the network and
-  sampling from uniforms drawn once per iteration, straight into the storage. On CUDA each
-  (step, batch) is replayed from a CUDA graph captured at start (--cuda-graphs): the host
-  pays one launch, two copies and an event per batch-step.
-- Who serves the batches (--driver). On CUDA one driver thread serves them all in turn: a
-  batch-step only launches work, and while one batch's policy runs on the GPU (the host
-  sleeps on a blocking event, not spinning a core) and other batches' envs step in C++, the
-  driver moves on to the next batch. A worker thread per batch was slower there: every launch
-  drops and retakes the GIL, so 8 threads queue for it, and each spins in a stream sync (on an
-  H100 before this design, 16 envs in 8 batches with a thread each ran at 0.56x the
-  baseline). On CPU a worker thread per batch: inference is milliseconds of compute that
-  releases the GIL, two batches' forward passes use two cores at once, and it was measured
-  1.2-1.4x faster than one driver (benchmarks/batch_workers.py).
-- GAE is vectorized over time on the device; the update never syncs per minibatch; Adam is
-  fused on CUDA.
-- --precision auto is bf16 on GPUs (sm_80+) and CPUs (AVX-512 BF16, AMX) that have it, fp32
-  elsewhere. In bf16 the convolutions run in bfloat16 and Linear(3136, 512) takes bfloat16
-  operands but adds up in float32, heads in float32, in the rollout and in training alike;
-  fp32 is float32 throughout (no TF32), so PPO's first ratio is 1 up to rounding in both.
+The envs are stepped by C++ threads in --num-gpu-batches batches, each on its own CUDA stream;
+the policy step runs as fused Triton kernels replayed from CUDA graphs, or as the Agent's own
+forward once you edit the network (--policy). How and why: docs/rollout.md.
 Run: python ppo_atari_native.py --env-id Breakout-v5 --num-gpu-batches 8
 """
 
 import os
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -353,37 +331,17 @@ if __name__ == "__main__":
     distributed = distributed and args.eval_checkpoint is None
     rank, world_size, local_rank, local_world_size = 0, 1, 0, 1
     if distributed:
-        # before init_process_group: torch.optim imports torch._dynamo lazily, and imported after
-        # it, torch._dynamo keeps the process group and gloo's threads alive past
-        # destroy_process_group; a gloo thread that frees a collective's tensors while Python
-        # shuts down then aborts the process (SIGABRT after a finished run, seen under load)
-        import torch._dynamo  # noqa: F401
+        rank, world_size, local_rank, local_world_size = utils.init_distributed(args.backend, device)
 
-        dist.init_process_group(args.backend or ("nccl" if device.type == "cuda" else "gloo"))
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-
-    # seeding
+    # TRY NOT TO MODIFY: seeding
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.deterministic = args.torch_deterministic
 
     if args.eval_checkpoint is not None:
-        if rank == 0:
-            print(utils.describe_run(args, device, "evaluation envs"), flush=True)
-        agent = Agent(evaluated["num_actions"]).to(device)
-        agent.load_state_dict(evaluated["model"])
-        video_dir = Path(args.eval_checkpoint).parent / "videos"
-        act = lambda obs: agent.get_action_and_value(obs)[0]  # noqa: E731
-        try:
-            returns = utils.evaluate(
-                args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir
-            )
-        except utils.UsageError as e:
-            utils.fail(str(e))
-        print(utils.report_evaluation(args.env_id, returns))
-        sys.exit(0)
+        print(utils.describe_run(args, device, "evaluation envs"), flush=True)
+        utils.evaluate_checkpoint(Agent, evaluated, args, device)
 
     # how this process steps its envs: C++ env threads, and who serves the env batches
     num_batches = args.num_gpu_batches
@@ -405,10 +363,7 @@ if __name__ == "__main__":
     except kernels.PolicyMismatch as e:
         utils.fail(str(e))
     if rank == 0:
-        envs_text = f"{args.num_envs} envs x {num_batches} batches, {utils.threads_text(threads_per_batch)}"
-        envs_text += " pinned" if first_core is not None else ""
-        envs_text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}"
-        envs_text += f", policy {policy.name}" + (f" ({policy.reason})" if policy.reason else "")
+        envs_text = utils.rollout_text(args, threads_per_batch, first_core, driver, graphs, policy)
         print(utils.describe_run(args, device, envs_text, precision, world_size), flush=True)
 
     # log setup: a resumed run continues in its own directory and step count
@@ -480,8 +435,7 @@ if __name__ == "__main__":
         driver=driver, cuda_graphs=graphs, timer=timer,
     )  # fmt: skip
 
-    # start the game: the first frames go to the slot after the horizon, which each rollout
-    # moves to step 0
+    # TRY NOT TO MODIFY: start the game (its first frames go to obs[T], which each rollout moves to step 0)
     progress = utils.Progress(args.total_timesteps, global_step)
     rollout.start()
     iteration = start_iteration
@@ -523,7 +477,7 @@ if __name__ == "__main__":
             b_returns = returns.reshape(-1)
             b_values = values[:T].reshape(-1)
 
-            # Optimizing the policy and value network; statistics stay on the device until the end
+            # ALGO LOGIC: optimizing the policy and value network (update, above); statistics stay on the device
             stats, nonfinite = update(
                 agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values,
                 args, dtype, world_size,
@@ -538,7 +492,7 @@ if __name__ == "__main__":
             if flags[0] > 0 and not stop:
                 stop.received = "a signal on another rank"
 
-        # logging: one sync per iteration
+        # TRY NOT TO MODIFY: record losses for plotting purposes (one sync per iteration)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
         if args.update_epochs > 0:
             if bool(nonfinite):
@@ -582,14 +536,8 @@ if __name__ == "__main__":
     elif rank == 0:
         save(iteration, global_step, run_dir / "model.pt")
         print(f"saved {run_dir / 'model.pt'}", flush=True)
-    if distributed:  # a cheap guard against silent desync: compare every rank's weights
-        flat = torch.cat([p.detach().reshape(-1) for p in agent.parameters()])
-        gathered = [torch.empty_like(flat) for _ in range(world_size)]
-        dist.all_gather(gathered, flat)
-        if rank == 0:
-            identical = all(torch.equal(g, gathered[0]) for g in gathered)
-            print(f"weights identical on all {world_size} ranks: {identical}", flush=True)
-        dist.destroy_process_group()
+    if distributed:
+        utils.finish_distributed(agent, rank, world_size)
     rollout.close()
     envs.close()
     writer.close()

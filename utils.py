@@ -269,6 +269,39 @@ def torchrun_device(device: torch.device) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def init_distributed(backend, device: torch.device):
+    """Join torchrun's process group (nccl on CUDA, gloo on CPU, unless `backend` says);
+    returns (rank, world size, local rank, local world size)."""
+    import torch._dynamo  # noqa: F401  (imported after the group exists, it keeps gloo's threads alive at exit)
+    import torch.distributed as dist
+
+    dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"))
+    local = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    return dist.get_rank(), dist.get_world_size(), *local
+
+
+def finish_distributed(agent, rank: int, world_size: int):
+    """Compare every rank's final weights with rank 0's (a cheap guard against a silent
+    desync), say so on rank 0, and leave the process group."""
+    import torch.distributed as dist
+
+    flat = torch.cat([p.detach().reshape(-1) for p in agent.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    if rank == 0:
+        identical = all(torch.equal(g, gathered[0]) for g in gathered)
+        print(f"weights identical on all {world_size} ranks: {identical}", flush=True)
+    dist.destroy_process_group()
+
+
+def rollout_text(args, threads_per_batch, first_core, driver, graphs, policy) -> str:
+    """What the first line says of a native rollout: envs, threads, driver, graphs, policy step."""
+    text = f"{args.num_envs} envs x {args.num_gpu_batches} batches, {threads_text(threads_per_batch)}"
+    text += " pinned" if first_core is not None else ""
+    text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}, policy {policy.name}"
+    return text + (f" ({policy.reason})" if policy.reason else "")
+
+
 def make_run_dir(args) -> Path:
     """Create this run's directory, runs/{Game}-v5__{exp_name}__{seed}__{unix_time}, never one
     that exists: a second run started in the same second gets the suffix -2 (then -3, ...), so
@@ -553,6 +586,21 @@ def fail_diverged(what: str, iteration: int, checkpoint_path, *to_close):
 
 
 # ----------------------------------------------------------------------------- evaluation
+def evaluate_checkpoint(make_agent, evaluated, args, device):
+    """--eval-checkpoint: play args.eval_episodes full games with the checkpoint's policy,
+    print the mean, std and human-normalized score, and exit."""
+    agent = make_agent(evaluated["num_actions"]).to(device)
+    agent.load_state_dict(evaluated["model"])
+    act = lambda obs: agent.get_action_and_value(obs)[0]  # noqa: E731
+    video_dir = Path(args.eval_checkpoint).parent / "videos"
+    try:
+        returns = evaluate(args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir)
+    except UsageError as e:
+        fail(str(e))
+    print(report_evaluation(args.env_id, returns), flush=True)
+    sys.exit(0)
+
+
 def human_normalized(game: str, score: float) -> float | None:
     with open(SCORES_CSV) as f:
         for row in csv.DictReader(f):
