@@ -44,6 +44,8 @@ class Args:
     """number of full games played by --eval-checkpoint; at least 1"""
     capture_video: bool = False
     """record the evaluation games to videos/ in the run directory (needs moviepy)"""
+    vector_mode: str = "async"
+    """async: one process per env (gymnasium AsyncVectorEnv); sync: all in this process"""
 
     # Algorithm specific arguments
     env_id: str | None = None
@@ -82,8 +84,6 @@ class Args:
     """the target KL divergence threshold (finite, > 0; unset: no early stop)"""
     life_loss_terminal: bool = True
     """treat a lost life as terminal for the learner (returns are still logged per full game)"""
-    vector_mode: str = "async"
-    """async: one process per env (gymnasium AsyncVectorEnv); sync: all in this process"""
 
     # to be filled in runtime (not flags)
     batch_size: int = field(default=0, init=False)

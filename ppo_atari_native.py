@@ -47,9 +47,9 @@ class Args:
     capture_video: bool = False
     """record the evaluation games to videos/ in the run directory (needs moviepy)"""
     num_gpu_batches: int = 2
-    """split the envs into this many independent batches, each on its own CUDA stream (divides num_envs)"""
+    """split the envs into this many independent batches, each on its own CUDA stream (at least 1; divides num_envs)"""
     num_env_threads: int | None = None
-    """C++ threads stepping the envs, in all (default: CUDA: the cores but the driver's; CPU: min(cores, batch) each)"""
+    """C++ env threads in all, at least 1 (default: CUDA: the cores but the driver's; CPU: min(cores, batch) each)"""
     precision: str = "auto"
     """auto, fp32 or bf16 (auto: bf16 where the GPU or CPU has it natively, fp32 elsewhere)"""
     cuda_graphs: bool = True
