@@ -1,4 +1,5 @@
-"""a2c_atari.py: the optimizer and returns against hand computations, and the script end to end."""
+"""a2c_atari.py: the optimizer against a hand computation, and the script end to end (its returns and
+update: tests/test_algorithm.py)."""
 
 import re
 import shlex
@@ -53,57 +54,6 @@ def test_rmsprop_tf_equals_hand_computation(alpha, eps):
     ours[0].grad = torch.full((3,), 0.3)
     a2c.RMSpropTF(ours, lr=lr, alpha=alpha, eps=eps).step()
     assert not torch.allclose(ours[0], torch_params[0])
-
-
-def hand_returns(rewards, values, dones, gamma, lam):
-    """Returns for each env by explicit loops over time on plain floats (lists [T][N])."""
-    T, N = len(rewards), len(rewards[0])
-    out = [[0.0] * N for _ in range(T)]
-    for n in range(N):
-        for t in range(T):
-            if lam == 1.0:  # n-step return: discounted rewards to the first terminal or the horizon
-                total, discount, s = 0.0, 1.0, t
-                while True:
-                    total += discount * rewards[s][n]
-                    discount *= gamma
-                    if dones[s + 1][n]:
-                        break
-                    if s + 1 == T:
-                        total += discount * values[T][n]
-                        break
-                    s += 1
-                out[t][n] = total
-            else:  # GAE: lambda-weighted sum of TD errors, cut at the first terminal
-                advantage, weight = 0.0, 1.0
-                for s in range(t, T):
-                    nonterminal = 0.0 if dones[s + 1][n] else 1.0
-                    delta = rewards[s][n] + gamma * values[s + 1][n] * nonterminal - values[s][n]
-                    advantage += weight * delta
-                    if not nonterminal:
-                        break
-                    weight *= gamma * lam
-                out[t][n] = advantage + values[t][n]
-    return out
-
-
-@pytest.mark.parametrize("lam", [1.0, 0.95])
-def test_returns_equal_hand_computation(lam):
-    """T=5, three envs: a terminal in the middle, one right after the horizon's first step,
-    one before step 0 (dones[0], which must not matter) and none at all."""
-    gamma = 0.99
-    rewards = [[1.0, 0.0, 0.5], [0.0, 1.0, -1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
-    values = [[0.5, -0.2, 0.1], [0.3, 0.4, 0.2], [0.9, 0.1, -0.3], [0.2, 0.6, 0.4], [0.7, 0.3, 0.8], [1.5, 2.0, 0.6]]
-    dones = [[0, 0, 1], [0, 1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0], [0, 0, 0]]  # dones[t]: obs[t] follows a terminal
-    to = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-    advantages, returns = a2c.gae(to(rewards), to(values), to(dones), gamma, lam)
-    expected = to(hand_returns(rewards, values, dones, gamma, lam))
-    torch.testing.assert_close(returns, expected, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(advantages, expected - to(values[:5]), rtol=1e-6, atol=1e-6)
-    if lam == 1.0:  # a few entries written out: env 0 ends at step 2, env 2 never ends
-        assert returns[0, 0].item() == pytest.approx(1.0 + gamma * 0.0 + gamma**2 * 1.0)
-        assert returns[2, 0].item() == pytest.approx(1.0)
-        assert returns[3, 0].item() == pytest.approx(0.0 + gamma * 1.0 + gamma**2 * 1.5)
-        assert returns[0, 2].item() == pytest.approx(0.5 - gamma + gamma**3 + gamma**5 * 0.6)
 
 
 def test_a2c_runs_and_writes_every_tag(runs_dir):
