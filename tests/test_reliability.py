@@ -240,6 +240,35 @@ def test_two_resumes_from_one_checkpoint_end_with_the_same_weights(stopped_and_r
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(ends[1]["optimizer"]["state"][index][key]))
 
 
+def test_a_resume_continues_the_optimizer_and_the_random_stream(stopped_and_resumed):
+    """What a resume must carry over that the weights alone do not show: the optimizer's state
+    (Adam's step count covers every update of the whole run, not only the resumed part), and,
+    in the native scripts, torch's random stream: their only draws are each iteration's
+    uniforms and minibatch orders, so the end state is the checkpoint's advanced by exactly
+    the resumed iterations' draws (a resume that did not restore it would replay the seed's)."""
+    script, pristine, resumed = stopped_and_resumed.script, stopped_and_resumed.pristine, stopped_and_resumed.resumed
+    if resumed is None or not pristine.is_file():
+        pytest.fail("no resumed run (see the stop-and-resume test)")
+    start = utils.load_checkpoint(pristine, script)
+    end = utils.load_checkpoint(run_dir_of(resumed) / "model.pt", script)
+    config, module = CONFIGS[script], importlib.import_module(Path(script).stem)
+    iterations = budget(script) // config.batch
+    if config.minibatches:  # Adam: one step per minibatch of every epoch of every iteration
+        minibatches = int(config.args[config.args.index("--num-minibatches") + 1])
+        steps = {float(state["step"]) for state in end["optimizer"]["state"].values()}
+        assert steps == {float(iterations * module.Args().update_epochs * minibatches)}, steps
+    if config.gpu_batches:  # the native scripts
+        T, N = (int(config.args[config.args.index(flag) + 1]) for flag in ("--num-steps", "--num-envs"))
+        generator = torch.Generator().manual_seed(0)
+        generator.set_state(start["rng"]["torch"])
+        for _ in range(iterations - start["iteration"]):
+            torch.rand((T + 1, N), generator=generator)
+            if config.minibatches:
+                for _ in range(module.Args().update_epochs):
+                    torch.randperm(T * N, generator=generator)
+        assert torch.equal(end["rng"]["torch"], generator.get_state())
+
+
 @pytest.mark.skipif("ppo_atari_baseline.py" not in SCRIPTS, reason="needs the baseline")
 def test_sigterm_stops_cleanly_and_ends_the_env_workers(tmp_path):
     """SIGTERM to the main process only (as `kill` or `timeout` send it); the async env
