@@ -108,6 +108,20 @@ def assert_all_tags(scalars, tags=TAGS):
         assert not bad, f"{tag} has non-finite values {bad[:5]}"
 
 
+def rollout_storage(T, N):
+    """A native script's rollout storage on CPU (utils.BatchedRollout's keywords), zeroed."""
+    import torch
+
+    return dict(
+        obs=torch.zeros((T + 1, N, 4, 84, 84), dtype=torch.uint8),
+        actions=torch.zeros((T + 1, N), dtype=torch.long),
+        logprobs=torch.zeros((T + 1, N)),
+        values=torch.zeros((T + 1, N)),
+        rewards=torch.zeros((T, N)),
+        dones=torch.zeros((T + 1, N)),
+    )
+
+
 @pytest.fixture
 def runs_dir(tmp_path):
     return tmp_path / "runs"

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 import torch
-from conftest import ROOT, read_scalars, run_dir_of, run_script, stop_after_first_progress
+from conftest import ROOT, read_scalars, rollout_storage, run_dir_of, run_script, stop_after_first_progress
 
 import kernels
 import utils
@@ -77,14 +77,7 @@ def collect(agent, policy, driver, num_envs=4, num_batches=2, T=6, seed=3):
     """One rollout of T steps on CPU through utils.BatchedRollout; returns its storage and
     the uniforms it drew."""
     envs = utils.ThreadedAtariEnvs("Breakout-v5", num_envs, num_batches, num_envs, seed)
-    storage = dict(
-        obs=torch.zeros((T + 1, num_envs, 4, 84, 84), dtype=torch.uint8),
-        actions=torch.zeros((T + 1, num_envs), dtype=torch.long),
-        logprobs=torch.zeros((T + 1, num_envs)),
-        values=torch.zeros((T + 1, num_envs)),
-        rewards=torch.zeros((T, num_envs)),
-        dones=torch.zeros((T + 1, num_envs)),
-    )
+    storage = rollout_storage(T, num_envs)
     timer = utils.PhaseTimer(False, torch.device("cpu"))
     rollout = utils.BatchedRollout(envs, policy, **storage, driver=driver, cuda_graphs=False, timer=timer)
     rollout.start()

@@ -6,6 +6,7 @@ envs returned them."""
 import numpy as np
 import pytest
 import torch
+from conftest import rollout_storage
 
 import kernels
 import ppo_atari_native as native
@@ -22,14 +23,7 @@ def collect(agent, num_envs, num_batches, num_steps, iterations, seed):
     T, N, cpu = num_steps, num_envs, torch.device("cpu")
     envs = utils.ThreadedAtariEnvs("Breakout-v5", N, num_batches, num_batches, seed)
     policy = kernels.rollout_policy("fused", agent, torch.float32, utils.probe_frames("Breakout-v5", 2, cpu))
-    storage = dict(
-        obs=torch.zeros((T + 1, N, 4, 84, 84), dtype=torch.uint8),
-        actions=torch.zeros((T + 1, N), dtype=torch.long),
-        logprobs=torch.zeros((T + 1, N)),
-        values=torch.zeros((T + 1, N)),
-        rewards=torch.zeros((T, N)),
-        dones=torch.zeros((T + 1, N)),
-    )
+    storage = rollout_storage(T, N)
     driver = utils.resolve_driver("auto", cpu, num_batches)
     rollout = utils.BatchedRollout(
         envs, policy, **storage, driver=driver, cuda_graphs=False, timer=utils.PhaseTimer(False, cpu)
