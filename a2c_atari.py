@@ -284,7 +284,8 @@ if __name__ == "__main__":
     graphs = args.cuda_graphs and device.type == "cuda"
     # the rollout's policy step: the fused kernels where the Agent is the network they mirror
     # (checked on real frames), else the Agent's own forward; never another policy than the learner's
-    agent = Agent(utils.num_actions(args.env_id)).to(device, memory_format=torch.channels_last)
+    num_actions = utils.num_actions(args.env_id)  # the game's minimal action set, as the envs use it
+    agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
     try:
         policy = kernels.rollout_policy(args.policy, agent, dtype, utils.probe_frames(args.env_id, batch, device))
     except kernels.PolicyMismatch as e:
@@ -312,7 +313,6 @@ if __name__ == "__main__":
         args.env_id, args.num_envs, num_batches, sum(threads_per_batch), env_seed,
         life_loss_terminal=args.life_loss_terminal, serial=args.driver == "sequential", first_core=first_core,
     )  # fmt: skip
-    num_actions = envs.num_actions
 
     # optimizer
     optimizer = RMSpropTF(agent.parameters(), lr=args.learning_rate, alpha=args.rms_alpha, eps=args.rms_eps)
