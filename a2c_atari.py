@@ -15,7 +15,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 from torch.distributions.categorical import Categorical
-from torch.utils.tensorboard import SummaryWriter
 
 import kernels
 import utils
@@ -227,8 +226,7 @@ def update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dt
 
 def parse_args() -> Args:
     args = utils.cli(Args)  # tyro.cli, with its errors as one line
-    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir
-    utils.check_capture_video(args.capture_video, args.eval_checkpoint)
+    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir, video
     if args.policy not in ("auto", "fused", "module"):
         raise utils.UsageError(f"--policy {args.policy!r}: expected auto, fused or module")
     if args.num_envs % args.num_gpu_batches:
@@ -258,12 +256,7 @@ if __name__ == "__main__":
             args.env_id = utils.canonical_env_id(evaluated["env_id"])
     except utils.UsageError as e:
         utils.fail(str(e))
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # this thread's current device; worker threads set theirs
-    # fp32 means float32 everywhere: no TF32 in cuDNN or matmuls (as in ppo_atari_native.py)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    dtype = utils.use_device(device, precision)  # fp32: no TF32 either, so rollout and learner agree
 
     # TRY NOT TO MODIFY: seeding
     random.seed(args.seed)
@@ -275,12 +268,10 @@ if __name__ == "__main__":
         print(utils.describe_run(args, device, "evaluation envs"), flush=True)
         utils.evaluate_checkpoint(Agent, evaluated, args, device)
 
-    # how the envs are stepped: C++ env threads, and who serves the env batches
-    num_batches = args.num_gpu_batches
-    batch = args.num_envs // num_batches
-    threads_per_batch, first_core = utils.env_threads(
-        1 if args.driver == "sequential" else args.num_env_threads, device, num_batches, batch
-    )
+    # how the envs are stepped: C++ env threads per batch, and who serves the batches
+    num_batches, batch = args.num_gpu_batches, args.num_envs // args.num_gpu_batches
+    requested = 1 if args.driver == "sequential" else args.num_env_threads
+    threads_per_batch, first_core = utils.env_threads(requested, device, num_batches, batch)
     graphs = args.cuda_graphs and device.type == "cuda"
     # the rollout's policy step: the fused kernels where the Agent is the network they mirror
     # (checked on real frames), else the Agent's own forward; never another policy than the learner's
@@ -294,18 +285,7 @@ if __name__ == "__main__":
     print(utils.describe_run(args, device, envs_text, precision), flush=True)
 
     # log setup: a resumed run continues in its own directory and step count
-    if checkpoint is not None:
-        run_dir = utils.checkpoint_path(args.resume).parent
-        start_iteration, global_step = checkpoint["iteration"], checkpoint["global_step"]
-    else:
-        run_dir = utils.make_run_dir(args)  # a new directory, never one another run writes to
-        start_iteration, global_step = 0, 0
-    # purge_step hides events a crashed run wrote after its last checkpoint: TensorBoard drops
-    # steps >= purge_step, and the checkpointed iteration logged at global_step itself
-    writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
-    if checkpoint is None:
-        writer.add_text("hyperparameters", utils.hyperparameters_text(args))
-    stop = utils.StopSignal(run_dir / "checkpoint.pt")
+    run_dir, writer, stop, start_iteration, global_step = utils.start_run(args, checkpoint)
 
     # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
     env_seed = args.seed + 1_000_003 * start_iteration
@@ -350,10 +330,10 @@ if __name__ == "__main__":
 
     # the rollout's machinery (utils.BatchedRollout): per env batch a stream, device buffers,
     # pinned host buffers and an event; on CUDA each (step, batch)'s policy step captured as a CUDA graph
-    timer = utils.PhaseTimer(args.profile, device)
+    profiler = utils.Profiler(args.profile, run_dir, device)  # --profile: time per phase, a trace
     rollout = utils.BatchedRollout(
         envs, policy, obs=obs, actions=actions, logprobs=logprobs, values=values, rewards=rewards, dones=dones,
-        driver=driver, cuda_graphs=graphs, timer=timer,
+        driver=driver, cuda_graphs=graphs, profiler=profiler,
     )  # fmt: skip
 
     # TRY NOT TO MODIFY: start the game (its first frames go to obs[T], which each rollout moves to step 0)
@@ -361,7 +341,6 @@ if __name__ == "__main__":
     rollout.start()
     iteration = start_iteration
     print(f"run directory: {run_dir}", flush=True)
-    profiler = utils.make_profiler(args.profile, run_dir, device)
 
     for iteration in range(start_iteration + 1, args.num_iterations + 1):
         # annealing the rate if instructed to do so.
@@ -383,7 +362,7 @@ if __name__ == "__main__":
             writer.add_scalar("charts/episodic_length", episodic_length, global_step + step * N)
         global_step += T * N
 
-        with timer("training"):
+        with profiler("training"):
             # ALGO LOGIC: advantages; with gae_lambda=1 the returns are n-step returns
             # bootstrapped from values[T]
             with torch.no_grad():
@@ -423,13 +402,7 @@ if __name__ == "__main__":
             print(progress.line(iteration, args.num_iterations, global_step), flush=True)
             stats.zero_()
             logged_iterations = 0
-        if profiler is not None:
-            timer.collect()  # this rollout's GPU times: every batch's last step was waited for
-            profiler.step()
-            if iteration in (start_iteration + 4, args.num_iterations):
-                profiler.stop()
-                print(timer.table(), flush=True)
-                profiler = None
+        profiler.step(last=iteration == args.num_iterations)
 
         if iteration % args.save_interval == 0 or iteration == args.num_iterations:
             if bool(utils.nonfinite_policy(agent, obs[T])):

@@ -17,7 +17,6 @@ import torch
 import torch.nn as nn
 import torch.optim as optim
 from torch.distributions.categorical import Categorical
-from torch.utils.tensorboard import SummaryWriter
 
 import utils
 
@@ -279,8 +278,7 @@ def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_retur
 
 def parse_args() -> Args:
     args = utils.cli(Args)  # tyro.cli, with its errors as one line
-    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir
-    utils.check_capture_video(args.capture_video, args.eval_checkpoint)
+    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir, video
     if args.vector_mode not in ("async", "sync"):
         raise utils.UsageError(f"--vector-mode {args.vector_mode!r}: expected async or sync")
     args.batch_size = int(args.num_envs * args.num_steps)
@@ -322,17 +320,7 @@ if __name__ == "__main__":
         utils.evaluate_checkpoint(Agent, evaluated, args, device)
 
     # log setup: a resumed run continues in its own directory and step count
-    if checkpoint is not None:
-        run_dir = utils.checkpoint_path(args.resume).parent
-        start_iteration, global_step = checkpoint["iteration"], checkpoint["global_step"]
-    else:
-        run_dir = utils.make_run_dir(args)  # a new directory, never one another run writes to
-        start_iteration, global_step = 0, 0
-    # purge_step drops events a crashed run wrote after its last checkpoint
-    writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
-    if checkpoint is None:
-        writer.add_text("hyperparameters", utils.hyperparameters_text(args))
-    stop = utils.StopSignal(run_dir / "checkpoint.pt")
+    run_dir, writer, stop, start_iteration, global_step = utils.start_run(args, checkpoint)
 
     # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
     env_seed = args.seed + 1_000_003 * start_iteration

@@ -18,7 +18,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.optim as optim
 from torch.distributions.categorical import Categorical
-from torch.utils.tensorboard import SummaryWriter
 
 import kernels
 import utils
@@ -174,8 +173,7 @@ def gae(rewards, values, dones, gamma, gae_lambda):
 
 def parse_args() -> Args:
     args = utils.cli(Args)  # tyro.cli, with its errors as one line
-    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir
-    utils.check_capture_video(args.capture_video, args.eval_checkpoint)
+    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir, video
     if args.policy not in ("auto", "fused", "module"):
         raise utils.UsageError(f"--policy {args.policy!r}: expected auto, fused or module")
     if args.num_envs % args.num_gpu_batches:
@@ -199,31 +197,6 @@ def parse_args() -> Args:
     args.minibatch_size = int(args.batch_size // args.num_minibatches)
     args.num_iterations = args.total_timesteps // (args.batch_size * world_size)
     return args
-
-
-class NoWriter:
-    """What ranks other than 0 get instead of a SummaryWriter: only rank 0 logs."""
-
-    def add_scalar(self, *args, **kwargs):
-        pass
-
-    def add_text(self, *args, **kwargs):
-        pass
-
-    def close(self):
-        pass
-
-
-def all_reduce_gradients(parameters, world_size):
-    """Average the gradients over the ranks: one all-reduce of one flat buffer per minibatch."""
-    grads = [p.grad for p in parameters]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world_size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, args, dtype, world_size):
@@ -284,7 +257,7 @@ def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_retur
             optimizer.zero_grad()
             loss.backward()
             if world_size > 1:  # torchrun: every rank steps with the mean gradient
-                all_reduce_gradients(agent.parameters(), world_size)
+                utils.all_reduce_gradients(agent.parameters(), world_size)
             nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
             optimizer.step()
             with torch.no_grad():  # the last minibatch's losses, every minibatch's clipfrac
@@ -300,12 +273,12 @@ def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_retur
 
 if __name__ == "__main__":
     script = Path(__file__).name
-    # any torchrun process, even a lone one, joins a process group: one GPU runs the NCCL path too
-    distributed = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
     try:
         args = parse_args()
         device = utils.resolve_device(args.device)
-        if distributed and args.eval_checkpoint is None:
+        # any torchrun process, even a lone one, joins a process group: one GPU runs the NCCL path too
+        distributed = utils.under_torchrun() and args.eval_checkpoint is None
+        if distributed:
             device = utils.torchrun_device(device)  # rank r on cuda:LOCAL_RANK
         precision = utils.resolve_precision(args.precision, device)
         driver = utils.resolve_driver(args.driver, device, args.num_gpu_batches)
@@ -318,17 +291,9 @@ if __name__ == "__main__":
             args.env_id = utils.canonical_env_id(evaluated["env_id"])
     except utils.UsageError as e:
         utils.fail(str(e))
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # this thread's current device; worker threads set theirs
-    # fp32 means float32 everywhere: no TF32 in cuDNN or matmuls, so that the rollout's
-    # log-probs equal the learner's (bf16 mode runs bfloat16 where it says so, see Agent)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    dtype = utils.use_device(device, precision)  # fp32: no TF32 either, so rollout and learner agree
 
-    # torchrun: one process per GPU (or per CPU process), each with its own envs; gradients
-    # are averaged every minibatch, only rank 0 logs and saves. Without torchrun: one process.
-    distributed = distributed and args.eval_checkpoint is None
+    # torchrun: a process per GPU with its own envs; gradients averaged every minibatch; rank 0 logs
     rank, world_size, local_rank, local_world_size = 0, 1, 0, 1
     if distributed:
         rank, world_size, local_rank, local_world_size = utils.init_distributed(args.backend, device)
@@ -343,16 +308,11 @@ if __name__ == "__main__":
         print(utils.describe_run(args, device, "evaluation envs"), flush=True)
         utils.evaluate_checkpoint(Agent, evaluated, args, device)
 
-    # how this process steps its envs: C++ env threads, and who serves the env batches
-    num_batches = args.num_gpu_batches
-    batch = args.num_envs // num_batches
+    # how this process steps its envs: C++ env threads per batch, and who serves the batches
+    num_batches, batch = args.num_gpu_batches, args.num_envs // args.num_gpu_batches
+    requested = 1 if args.driver == "sequential" else args.num_env_threads
     threads_per_batch, first_core = utils.env_threads(
-        1 if args.driver == "sequential" else args.num_env_threads,
-        device,
-        num_batches,
-        batch,
-        local_rank,
-        local_world_size,
+        requested, device, num_batches, batch, local_rank, local_world_size
     )
     graphs = args.cuda_graphs and device.type == "cuda"
     # the rollout's policy step: the fused kernels where the Agent is the network they mirror
@@ -367,25 +327,8 @@ if __name__ == "__main__":
         envs_text = utils.rollout_text(args, threads_per_batch, first_core, driver, graphs, policy)
         print(utils.describe_run(args, device, envs_text, precision, world_size), flush=True)
 
-    # log setup: a resumed run continues in its own directory and step count
-    if checkpoint is not None:
-        run_dir = utils.checkpoint_path(args.resume).parent
-        start_iteration, global_step = checkpoint["iteration"], checkpoint["global_step"]
-    else:
-        run_dir = utils.make_run_dir(args) if rank == 0 else None  # never a directory another run writes to
-        start_iteration, global_step = 0, 0
-        if distributed:  # every rank names rank 0's directory in its messages
-            names = [run_dir.name if rank == 0 else None]
-            dist.broadcast_object_list(names, src=0)
-            run_dir = Path(args.runs_dir) / names[0]
-    if rank == 0:
-        # purge_step drops events a crashed run wrote after its last checkpoint
-        writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
-        if checkpoint is None:
-            writer.add_text("hyperparameters", utils.hyperparameters_text(args))
-    else:
-        writer = NoWriter()
-    stop = utils.StopSignal(run_dir / "checkpoint.pt")
+    # log setup: a resumed run continues in its own directory and step count; only rank 0 logs
+    run_dir, writer, stop, start_iteration, global_step = utils.start_run(args, checkpoint, rank, distributed)
 
     # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
     env_seed = args.seed + 1_000_003 * start_iteration + 10_007 * rank
@@ -429,10 +372,10 @@ if __name__ == "__main__":
 
     # the rollout's machinery (utils.BatchedRollout): per env batch a stream, device buffers,
     # pinned host buffers and an event; on CUDA each (step, batch)'s policy step captured as a CUDA graph
-    timer = utils.PhaseTimer(args.profile, device)
+    profiler = utils.Profiler(args.profile, run_dir, device)  # --profile: time per phase, a trace
     rollout = utils.BatchedRollout(
         envs, policy, obs=obs, actions=actions, logprobs=logprobs, values=values, rewards=rewards, dones=dones,
-        driver=driver, cuda_graphs=graphs, timer=timer,
+        driver=driver, cuda_graphs=graphs, profiler=profiler,
     )  # fmt: skip
 
     # TRY NOT TO MODIFY: start the game (its first frames go to obs[T], which each rollout moves to step 0)
@@ -441,7 +384,6 @@ if __name__ == "__main__":
     iteration = start_iteration
     if rank == 0:
         print(f"run directory: {run_dir}", flush=True)
-    profiler = utils.make_profiler(args.profile, run_dir, device)
 
     for iteration in range(start_iteration + 1, args.num_iterations + 1):
         # annealing the rate if instructed to do so.
@@ -464,7 +406,7 @@ if __name__ == "__main__":
             writer.add_scalar("charts/episodic_length", episodic_length, global_step + step * N * world_size)
         global_step += T * N * world_size
 
-        with timer("training"):
+        with profiler("training"):
             # ALGO LOGIC: advantages
             with torch.no_grad():
                 advantages, returns = gae(rewards, values, dones, args.gamma, args.gae_lambda)
@@ -486,11 +428,7 @@ if __name__ == "__main__":
                 nonfinite |= utils.nonfinite_policy(agent, obs[T])
 
         if distributed:  # every rank stops, or diverges, together
-            flags = torch.stack([torch.tensor(float(bool(stop)), device=device), nonfinite.float()])
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-            nonfinite = flags[1] > 0
-            if flags[0] > 0 and not stop:
-                stop.received = "a signal on another rank"
+            nonfinite = utils.agree(stop, nonfinite, device)
 
         # TRY NOT TO MODIFY: record losses for plotting purposes (one sync per iteration)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
@@ -513,13 +451,7 @@ if __name__ == "__main__":
         writer.add_scalar("charts/SPS", progress.sps(global_step), global_step)
         if rank == 0:
             print(progress.line(iteration, args.num_iterations, global_step), flush=True)
-        if profiler is not None:
-            timer.collect()  # this rollout's GPU times: every batch's last step was waited for
-            profiler.step()
-            if iteration in (start_iteration + 4, args.num_iterations):
-                profiler.stop()
-                print(timer.table(), flush=True)
-                profiler = None
+        profiler.step(last=iteration == args.num_iterations)
 
         if iteration % args.save_interval == 0 or iteration == args.num_iterations:
             if not utils.all_finite(agent):

@@ -1,12 +1,6 @@
-"""Shared helpers for the Atari scripts: what more than one script needs, nothing else.
-
-- Conventions: env ids, devices, run directories, the progress line, clear errors.
-- Reliability: atomic checkpoints, resume checks, clean stops on SIGINT/SIGTERM.
-- Evaluation of a trained policy over full games, with human-normalized scores.
-- Threaded env stepping: ale-py's C++ vector env (it releases the GIL while its threads
-  step), split into fixed batches, with full-game episode accounting on the host.
-- GPU batching: one CUDA stream and pinned host buffers per env batch, and the device
-  frame stack (only the newest 84x84 frame crosses host to device).
+"""What the Atari scripts share: threaded env stepping and CUDA stream batching (the native
+rollout), and the conventions every script follows (flags, run directories, checkpoints,
+stops, evaluation). The design is written in docs/rollout.md and docs/protocol.md.
 """
 
 import contextlib
@@ -33,23 +27,7 @@ import torch
 SCORES_CSV = Path(__file__).with_name("atari_scores.csv")
 FRAME_SHAPE = (84, 84)
 STACK = 4
-# The ALE v5 protocol, which every script follows: ale-py's own vector env (AtariVectorEnv),
-# configured by ALE_V5, and for the baseline's gymnasium pipeline, AleV5GameStart below.
-# - An agent step is 4 frames, max-pooled over the last two; sticky actions 0.25 (each frame
-#   repeats the previous action with probability 0.25); a game is cut at 108k frames.
-# - Game start: the game is reset, FIRE is pressed for one frame where the game has it, then
-#   max(0, U{0..29} - 1) noop frames follow: 1 to 29 frames pass before the first observation.
-#   The FIRE frame is itself subject to sticky actions (the previous action is NOOP), so
-#   Breakout serves the ball at the start of about 75% of games; in the others the agent has
-#   to press FIRE, as it must after every lost life.
-# - A lost life is terminal for the learner (life_loss_info) while the game goes on: no reset,
-#   no extra step, no automatic FIRE. Episode returns and lengths are full games, unclipped.
-# - The first observation of a game has its three older stack slots zero.
-# Why ale-py's game start: the native scripts step ale-py's C++ vector env, whose reset cannot
-# be changed from Python without giving up its speed, and SLM Lab's published v5 scores were
-# made on it; so the baseline reproduces it rather than the other way round.
-# Rewards come back unclipped (full-game returns are logged; the learner's are clipped apart)
-# and autoreset is SameStep. Tests and benchmarks override single fields of it.
+# The ALE v5 protocol every script plays (docs/protocol.md); tests override single fields.
 ALE_V5 = dict(
     frameskip=4, repeat_action_probability=0.25, noop_max=30, use_fire_reset=True,
     max_num_frames_per_episode=108_000, reward_clipping=False, autoreset_mode="SameStep",
@@ -57,10 +35,8 @@ ALE_V5 = dict(
 
 
 class AleV5GameStart(gym.Wrapper):
-    """ale-py's vector-env game start (the protocol above) for a gymnasium ALE env made with
-    frameskip=1: reset, FIRE for one frame where the game has it, then max(0, U{0..29} - 1)
-    noop frames. Put it under AtariPreprocessing(noop_max=0), which then only reads the screen.
-    """
+    """ale-py's vector-env game start for a gymnasium ALE env made with frameskip=1: FIRE for
+    one frame where the game has it, then max(0, U{0..29} - 1) noop frames."""
 
     def __init__(self, env, noop_max=ALE_V5["noop_max"]):
         super().__init__(env)
@@ -81,18 +57,20 @@ class AleV5GameStart(gym.Wrapper):
 
 # ----------------------------------------------------------------------------- conventions
 class UsageError(Exception):
-    """Bad input from the user: reported as one line on stderr with exit code 2."""
+    """Bad input from the user: one line on stderr, exit code 2."""
 
 
 def fail(message: str, code: int = 2):
-    """Print one line on stderr and exit: no traceback for the user's mistakes."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 
+_GAMES = None
+DEFAULT_ENV_ID = "Breakout-v5"
+
+
 def atari_games() -> dict:
-    """Every game ale-py registers as ALE/<Game>-v5: its name without case or underscores
-    ('mspacman') -> (canonical name 'MsPacman', ROM id 'ms_pacman')."""
+    """ale-py's v5 games: 'mspacman' -> ('MsPacman', ROM id 'ms_pacman')."""
     global _GAMES
     if _GAMES is None:
         import ale_py
@@ -105,13 +83,8 @@ def atari_games() -> dict:
     return _GAMES
 
 
-_GAMES = None
-DEFAULT_ENV_ID = "Breakout-v5"
-
-
 def canonical_env_id(env_id: str) -> str:
-    """'breakout-v5', 'ALE/Breakout-v5', 'Breakout-v5' -> 'Breakout-v5': the one spelling used in
-    run names, checkpoints, evaluation and scores. Unknown games fail, with close matches."""
+    """'breakout-v5', 'ALE/Breakout-v5' -> 'Breakout-v5'; an unknown game fails with close matches."""
     match = re.fullmatch(r"(?:ALE/)?([A-Za-z0-9_]+)-v5", env_id)
     if match is None:
         raise UsageError(f"--env-id {env_id!r}: expected a name like Breakout-v5 or ALE/Breakout-v5")
@@ -126,17 +99,15 @@ def canonical_env_id(env_id: str) -> str:
 
 
 def game_name(env_id: str) -> str:
-    """'Breakout-v5' or 'ALE/breakout-v5' -> 'Breakout'."""
     return canonical_env_id(env_id).removesuffix("-v5")
 
 
 def rom_id(env_id: str) -> str:
-    """'MsPacman-v5' -> 'ms_pacman', the ROM ale-py's vector env loads."""
     return atari_games()[game_name(env_id).lower()][1]
 
 
 def num_actions(env_id: str) -> int:
-    """The size of the game's minimal action set (what the scripts' envs use), read from the ROM."""
+    """The size of the game's minimal action set (what the envs use), read from the ROM."""
     from ale_py import ALEInterface, LoggerMode, roms
 
     ALEInterface.setLoggerMode(LoggerMode.Error)
@@ -146,8 +117,7 @@ def num_actions(env_id: str) -> int:
 
 
 def cli(args_class):
-    """tyro.cli(args_class), with tyro's multi-line error box turned into one line: bad input
-    exits with code 2 and one line on stderr, like every other check here."""
+    """tyro.cli(args_class), its multi-line error box turned into one line and exit code 2."""
     import io
 
     import tyro
@@ -171,10 +141,7 @@ def cli(args_class):
 
 
 def resolve_device(spec: str) -> torch.device:
-    """'auto' picks CUDA when present, else CPU; asking for CUDA without it is an error.
-
-    A CUDA device always comes back with its index ('cuda' is the current device), because
-    torch.cuda.set_device, and every thread that launches work, need one."""
+    """auto: CUDA when present, else CPU. A CUDA device comes back with its index."""
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if not re.fullmatch(r"cpu|cuda(:\d+)?", spec):
@@ -190,8 +157,7 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-# The valid range of every numeric flag (each flag's --help states it too), checked
-# before anything starts: flag -> (what it must be, test).
+# every numeric flag's valid range (its --help says it too): flag -> (what it must be, test)
 RANGES = {
     "seed": ("an integer in [0, 2**32 - 1]", lambda v: 0 <= v < 2**32),
     "total_timesteps": ("at least 1", lambda v: v >= 1),
@@ -218,8 +184,8 @@ RANGES = {
 
 
 def check_args(args):
-    """The checks every script makes of its flags before anything starts: numeric ranges, the
-    game (its canonical name from here on), the experiment name and the runs directory."""
+    """What every script checks of its flags before anything starts: numeric ranges, the game
+    (its canonical name from here on), the experiment name and the runs directory."""
     for name, (text, ok) in RANGES.items():
         if hasattr(args, name) and not ok(getattr(args, name)):
             raise UsageError(f"--{name.replace('_', '-')} must be {text}, got {getattr(args, name)}")
@@ -230,11 +196,11 @@ def check_args(args):
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*", args.exp_name) or ".." in args.exp_name:
         raise UsageError(f"--exp-name {args.exp_name!r}: a name (letters, digits, _ . + = -), not a path")
     check_runs_dir(args.runs_dir)
+    check_capture_video(args.capture_video, args.eval_checkpoint)
 
 
 def check_runs_dir(runs_dir):
-    """--runs-dir must be a directory, or one that can be made: its nearest existing ancestor
-    is a writable directory."""
+    """--runs-dir is a directory, or its nearest existing ancestor is a writable one."""
     path = Path(runs_dir).absolute()
     existing = next(p for p in [path, *path.parents] if p.exists())
     if not existing.is_dir():
@@ -244,7 +210,6 @@ def check_runs_dir(runs_dir):
 
 
 def check_capture_video(capture_video: bool, eval_checkpoint):
-    """--capture-video records --eval-checkpoint games: fail before anything starts, not after."""
     if not capture_video:
         return
     if eval_checkpoint is None:
@@ -255,9 +220,12 @@ def check_capture_video(capture_video: bool, eval_checkpoint):
         raise UsageError("--capture-video needs moviepy: pip install moviepy")
 
 
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def torchrun_device(device: torch.device) -> torch.device:
-    """Under torchrun, the device of this process: cuda:LOCAL_RANK when running on CUDA (one GPU
-    per process; more processes on this machine than GPUs is refused), else the CPU."""
+    """Under torchrun on CUDA, cuda:LOCAL_RANK (one GPU per process); else the CPU."""
     if device.type != "cuda":
         return device
     local_world_size, count = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
@@ -280,9 +248,33 @@ def init_distributed(backend, device: torch.device):
     return dist.get_rank(), dist.get_world_size(), *local
 
 
+def all_reduce_gradients(parameters, world_size):
+    """Average the gradients over the ranks: one all-reduce of one flat buffer."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in parameters]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world_size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def agree(stop, nonfinite, device: torch.device):
+    """Under torchrun, every rank stops, or diverges, when any rank does; returns `nonfinite`."""
+    import torch.distributed as dist
+
+    flags = torch.stack([torch.tensor(float(bool(stop)), device=device), nonfinite.float()])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags[0] > 0 and not stop:
+        stop.received = "a signal on another rank"
+    return flags[1] > 0
+
+
 def finish_distributed(agent, rank: int, world_size: int):
-    """Compare every rank's final weights with rank 0's (a cheap guard against a silent
-    desync), say so on rank 0, and leave the process group."""
+    """Say whether every rank ends with rank 0's weights (a silent desync would not), and leave."""
     import torch.distributed as dist
 
     flat = torch.cat([p.detach().reshape(-1) for p in agent.parameters()])
@@ -294,18 +286,46 @@ def finish_distributed(agent, rank: int, world_size: int):
     dist.destroy_process_group()
 
 
-def rollout_text(args, threads_per_batch, first_core, driver, graphs, policy) -> str:
-    """What the first line says of a native rollout: envs, threads, driver, graphs, policy step."""
-    text = f"{args.num_envs} envs x {args.num_gpu_batches} batches, {threads_text(threads_per_batch)}"
-    text += " pinned" if first_core is not None else ""
-    text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}, policy {policy.name}"
-    return text + (f" ({policy.reason})" if policy.reason else "")
+class NoWriter:
+    """What ranks other than 0 log to: nothing."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    add_text = close = add_scalar
+
+
+def start_run(args, checkpoint, rank=0, distributed=False):
+    """Log setup: (run directory, TensorBoard writer, stop signal, start iteration, global step).
+    A resumed run continues in its own directory; a new one gets a directory no other run
+    writes to. Under torchrun only rank 0 logs, and every rank names rank 0's directory."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    if checkpoint is not None:
+        run_dir = checkpoint_path(args.resume).parent
+        start_iteration, global_step = checkpoint["iteration"], checkpoint["global_step"]
+    else:
+        run_dir = make_run_dir(args) if rank == 0 else None
+        start_iteration, global_step = 0, 0
+        if distributed:
+            import torch.distributed as dist
+
+            names = [run_dir.name if rank == 0 else None]
+            dist.broadcast_object_list(names, src=0)
+            run_dir = Path(args.runs_dir) / names[0]
+    writer = NoWriter()
+    if rank == 0:
+        # purge_step drops the events a crashed run wrote after its last checkpoint
+        writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
+        if checkpoint is None:
+            rows = "\n".join(f"|{key}|{value}|" for key, value in sorted(vars(args).items()))
+            writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
+    return run_dir, writer, StopSignal(run_dir / "checkpoint.pt"), start_iteration, global_step
 
 
 def make_run_dir(args) -> Path:
-    """Create this run's directory, runs/{Game}-v5__{exp_name}__{seed}__{unix_time}, never one
-    that exists: a second run started in the same second gets the suffix -2 (then -3, ...), so
-    two runs never write into one directory. The names sort by start time."""
+    """runs/{Game}-v5__{exp_name}__{seed}__{unix_time}, made exclusively: a second run started
+    in the same second gets the suffix -2 (then -3, ...)."""
     name = f"{canonical_env_id(args.env_id)}__{args.exp_name}__{args.seed}__{int(time.time())}"
     base = Path(args.runs_dir) / name
     base.parent.mkdir(parents=True, exist_ok=True)
@@ -320,8 +340,7 @@ def make_run_dir(args) -> Path:
 
 
 def describe_run(args, device: torch.device, envs: str, precision: str = "fp32", world_size: int = 1) -> str:
-    """The first line of every run: where it runs and what it will do, so that a user who
-    expected a GPU sees at once whether they got one, and how many steps will really run."""
+    """The first line of every run: where it runs and what it will do."""
     if device.type == "cuda":
         where = f"{torch.cuda.get_device_name(device)} ({device})"
     else:
@@ -336,19 +355,16 @@ def describe_run(args, device: torch.device, envs: str, precision: str = "fp32",
     return f"{where}, {precision}, {envs}; {what}"
 
 
-def hyperparameters_text(args) -> str:
-    rows = "\n".join(f"|{key}|{value}|" for key, value in sorted(vars(args).items()))
-    return f"|param|value|\n|-|-|\n{rows}"
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+def rollout_text(args, threads_per_batch, first_core, driver, graphs, policy) -> str:
+    """The first line's account of a native rollout: envs, threads, driver, graphs, policy step."""
+    text = f"{args.num_envs} envs x {args.num_gpu_batches} batches, {threads_text(threads_per_batch)}"
+    text += " pinned" if first_core is not None else ""
+    text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}, policy {policy.name}"
+    return text + (f" ({policy.reason})" if policy.reason else "")
 
 
 class Progress:
-    """One compact line per iteration; built from host-side numbers only (no GPU sync)."""
+    """One line per iteration, from host-side numbers only (no GPU sync)."""
 
     def __init__(self, total_steps: int, start_step: int):
         self.total_steps = total_steps
@@ -362,7 +378,9 @@ class Progress:
 
     def line(self, iteration: int, num_iterations: int, global_step: int) -> str:
         sps = self.sps(global_step)
-        eta = format_duration((self.total_steps - global_step) / max(sps, 1))
+        seconds = int((self.total_steps - global_step) / max(sps, 1))
+        hours, rest = divmod(seconds, 3600)
+        eta = f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
         ret = f"{np.mean(self.recent_returns):.1f}" if self.recent_returns else "-"
         rollout = f" (rollout {int((global_step - self.start_step) / self.rollout_time)})" if self.rollout_time else ""
         return (
@@ -373,7 +391,7 @@ class Progress:
 
 # ----------------------------------------------------------------------------- reliability
 def save_checkpoint(path, state: dict):
-    """Write atomically: temp file, fsync, rename. A crash mid-write leaves the old file intact."""
+    """Write atomically (temp file, fsync, rename): a crash mid-write leaves the old file whole."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -392,10 +410,8 @@ def save_checkpoint(path, state: dict):
         os.close(dir_fd)
 
 
-# Loading never runs code from the file: torch.load(weights_only=True) builds tensors, numbers,
-# strings, lists, tuples and dicts, and nothing else. A checkpoint is made only of those (the
-# RNG states too, see rng_states).
-# what every checkpoint holds, and what a resumable one adds: key -> type
+# what every checkpoint holds, and what a resumable one adds: key -> type (plain data only,
+# so that torch.load(weights_only=True) reads it without running code)
 CHECKPOINT_KEYS = {"script": str, "env_id": str, "num_actions": int, "model": dict}
 RESUME_KEYS = {"args": dict, "optimizer": dict, "iteration": int, "global_step": int, "rng": dict}
 
@@ -407,11 +423,9 @@ def checkpoint_path(path) -> Path:
 
 
 def load_checkpoint(path, script: str, env_id: str | None = None, make_agent=None, resume=False) -> dict:
-    """Load a checkpoint of `script` without running code from it, and refuse, with one line,
-    anything that is not one: a missing, corrupt or foreign file, another script's or game's,
-    missing keys or wrong types, weights that do not fit make_agent(the game's action count)
-    (the script's network), and with resume=True an optimizer or RNG state that cannot be
-    restored. `path` may be a run directory (its checkpoint.pt)."""
+    """Load a checkpoint of `script` without running code from it; refuse with one line a
+    missing, corrupt or foreign file, another script's or game's, missing keys, weights that
+    do not fit make_agent(num_actions), and (resume=True) optimizer or RNG states that do not fit."""
     path = checkpoint_path(path)
     name = repr(str(path))
     if not path.is_file():
@@ -425,7 +439,7 @@ def load_checkpoint(path, script: str, env_id: str | None = None, make_agent=Non
             raise UsageError(f"checkpoint {name} is corrupt or unreadable ({type(e).__name__})")
         what = found.group(1) or found.group(2)
         raise UsageError(f"checkpoint {name} holds more than plain data ({what}): refused, loading it could run code")
-    except Exception as e:  # a truncated or foreign file: say so in one line
+    except Exception as e:  # a truncated or foreign file
         raise UsageError(f"checkpoint {name} is corrupt or unreadable ({type(e).__name__})")
     if not isinstance(state, dict) or not {"model", "script", "env_id"} <= state.keys():
         raise UsageError(f"checkpoint {name} was not written by these scripts")
@@ -462,8 +476,7 @@ def load_checkpoint(path, script: str, env_id: str | None = None, make_agent=Non
 
 
 def check_optimizer_state(optimizer_state: dict, parameters, name):
-    """The optimizer's saved state fits the network: per parameter, every tensor is a scalar or
-    has the parameter's shape (load_state_dict would not notice)."""
+    """Per parameter, every saved tensor is a scalar or has its shape (load_state_dict would not notice)."""
     groups = optimizer_state.get("param_groups")
     if not isinstance(optimizer_state.get("state"), dict) or not isinstance(groups, list):
         raise UsageError(f"checkpoint {name}: its optimizer state is not an optimizer's")
@@ -480,8 +493,7 @@ def check_optimizer_state(optimizer_state: dict, parameters, name):
 
 
 def check_resume_args(checkpoint: dict, args, names=("num_envs", "num_steps", "total_timesteps")):
-    """A resumed run keeps what maps iterations to steps and sets the learning-rate schedule;
-    a finished run has nothing left to resume."""
+    """A resumed run keeps what maps iterations to steps and sets the LR schedule; a finished one cannot resume."""
     saved = checkpoint.get("args", {})
     for name in names:
         if name in saved and saved[name] != getattr(args, name):
@@ -493,8 +505,7 @@ def check_resume_args(checkpoint: dict, args, names=("num_envs", "num_steps", "t
 
 
 def rng_states(device: torch.device) -> dict:
-    """Python's, numpy's, torch's and this device's RNG states, as plain data (numpy's key
-    array as a list of ints), so that the weights-only loader reads them back exactly."""
+    """Python's, numpy's, torch's and this device's RNG states, as plain data."""
     name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     states = {
         "python": random.getstate(),
@@ -521,8 +532,7 @@ def set_rng_states(states: dict, device: torch.device):
 
 
 class StopSignal:
-    """SIGINT/SIGTERM set a flag that the train loop checks. A second SIGINT stops at once, with
-    one line that names the last checkpoint (a checkpoint is always whole: see save_checkpoint)."""
+    """SIGINT/SIGTERM set a flag the train loop checks; a second SIGINT stops at once."""
 
     def __init__(self, checkpoint_path):
         self.received = None
@@ -563,10 +573,8 @@ def all_finite(module: torch.nn.Module) -> bool:
 
 @torch.no_grad()
 def nonfinite_policy(agent, obs) -> torch.Tensor:
-    """A bool tensor, on the device and not synced: are any weights, or the policy's log-probs,
-    entropies and values on `obs`, non-finite? Checked after every update: a diverged update
-    can leave weights so large that the next forward overflows, and the rollout would then
-    sample from NaNs and a checkpoint keep them."""
+    """A device bool, not synced: are any weights, or the policy's outputs on `obs`, non-finite?
+    (The next rollout would sample from them, and a checkpoint keep them.)"""
     actions = torch.zeros(obs.shape[0], dtype=torch.long, device=obs.device)
     _, logprob, entropy, value = agent.get_action_and_value(obs, actions)
     weights = torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
@@ -574,8 +582,7 @@ def nonfinite_policy(agent, obs) -> torch.Tensor:
 
 
 def fail_diverged(what: str, iteration: int, checkpoint_path, *to_close):
-    """Training went non-finite: close the writer and envs (flushing the logs), say where the
-    last good checkpoint is, if there is one yet, and exit 1."""
+    """Training went non-finite: flush the logs, name the last good checkpoint, exit 1."""
     for resource in to_close:
         resource.close()
     if Path(checkpoint_path).is_file():
@@ -587,8 +594,7 @@ def fail_diverged(what: str, iteration: int, checkpoint_path, *to_close):
 
 # ----------------------------------------------------------------------------- evaluation
 def evaluate_checkpoint(make_agent, evaluated, args, device):
-    """--eval-checkpoint: play args.eval_episodes full games with the checkpoint's policy,
-    print the mean, std and human-normalized score, and exit."""
+    """--eval-checkpoint: play its games, print the mean, std and human-normalized score, exit."""
     agent = make_agent(evaluated["num_actions"]).to(device)
     agent.load_state_dict(evaluated["model"])
     act = lambda obs: agent.get_action_and_value(obs)[0]  # noqa: E731
@@ -597,7 +603,12 @@ def evaluate_checkpoint(make_agent, evaluated, args, device):
         returns = evaluate(args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir)
     except UsageError as e:
         fail(str(e))
-    print(report_evaluation(args.env_id, returns), flush=True)
+    mean, std = float(np.mean(returns)), float(np.std(returns))
+    hns = human_normalized(game_name(args.env_id), mean)
+    hns_text = f"{hns:.3f}" if hns is not None else "n/a (no human score for this game)"
+    print(
+        f"evaluation {args.env_id}: {len(returns)} games  mean {mean:.2f}  std {std:.2f}  human-normalized {hns_text}"
+    )
     sys.exit(0)
 
 
@@ -611,13 +622,9 @@ def human_normalized(game: str, score: float) -> float | None:
 
 
 def evaluate(env_id, act, episodes, seed, device, capture_video=False, video_dir=None):
-    """Play `episodes` full games (v5 protocol, no life-loss terminals) with `act`.
-
-    `act(obs)` maps a uint8 tensor [n, 4, 84, 84] on `device` to actions [n].
-    Returns the list of full-game, unclipped returns.
-    """
+    """The full-game, unclipped returns of `episodes` games played by act(uint8 [n, 4, 84, 84]) -> [n]."""
     if capture_video:
-        return _evaluate_with_video(env_id, act, episodes, seed, device, video_dir)
+        return evaluate_with_video(env_id, act, episodes, seed, device, video_dir)
     from ale_py.vector_env import AtariVectorEnv
 
     num_envs = min(episodes, 8)
@@ -645,7 +652,8 @@ def evaluate(env_id, act, episodes, seed, device, capture_video=False, video_dir
     return returns
 
 
-def _evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
+def evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
+    """evaluate, one game at a time through gymnasium's pipeline, which can render and record."""
     try:
         import moviepy  # noqa: F401  (gymnasium's RecordVideo needs it)
     except ImportError:
@@ -673,33 +681,32 @@ def _evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
     return returns
 
 
-def report_evaluation(env_id, returns) -> str:
-    mean, std = float(np.mean(returns)), float(np.std(returns))
-    hns = human_normalized(game_name(env_id), mean)
-    hns_text = f"{hns:.3f}" if hns is not None else "n/a (no human score for this game)"
-    return f"evaluation {env_id}: {len(returns)} games  mean {mean:.2f}  std {std:.2f}  human-normalized {hns_text}"
-
-
 # ----------------------------------------------------------------------------- profiling
-class PhaseTimer:
-    """Time per rollout phase for --profile; a free no-op otherwise. It never synchronizes the
-    device: host phases are perf_counter spans of what the host itself does or waits for
-    (waiting for envs, launching a batch-step, waiting for a batch's GPU work on its event);
-    the GPU time of each batch-step comes from a pair of timing events recorded on the batch's
-    stream, read once per iteration after the rollout (the host waits for that anyway).
-    With a worker thread per env batch the phases of different batches overlap and their
-    times add up; with one driver thread they do not.
-    """
+class Profiler:
+    """--profile: torch.profiler over the first iterations after one of warm-up (trace.json, for
+    Perfetto), then a table of time per rollout phase. Free when off; never syncs the device:
+    host phases are perf_counter spans, a batch-step's GPU time comes from events on its stream."""
 
-    def __init__(self, enabled: bool, device: torch.device):
-        self.enabled = enabled
-        self.cuda = enabled and device.type == "cuda"
-        self.totals = {}
-        self.pending = []  # (start, end) timing events of batch-steps not yet read
-        self.lock = threading.Lock()
-        self.null = contextlib.nullcontext()
+    def __init__(self, enabled: bool, run_dir=None, device=torch.device("cpu"), iterations=4):
+        self.enabled, self.cuda = enabled, enabled and device.type == "cuda"
+        self.totals, self.pending, self.lock = {}, [], threading.Lock()
+        self.iterations, self.null = iterations, contextlib.nullcontext()
+        if enabled:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            activities += [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+            self.trace = str(Path(run_dir) / "trace.json")
+            schedule = torch.profiler.schedule(wait=1, warmup=0, active=iterations - 1, repeat=1)
+            self.torch_profiler = torch.profiler.profile(
+                activities=activities, schedule=schedule, on_trace_ready=self.save_trace
+            )
+            self.torch_profiler.start()
+
+    def save_trace(self, torch_profiler):
+        torch_profiler.export_chrome_trace(self.trace)
+        print(f"profiler trace: {self.trace} (open in https://ui.perfetto.dev)", flush=True)
 
     def __call__(self, name):
+        """Around a host phase: its wall time, added to `name`."""
         return self._phase(name) if self.enabled else self.null
 
     @contextlib.contextmanager
@@ -713,7 +720,7 @@ class PhaseTimer:
             self.totals[name] = self.totals.get(name, 0.0) + seconds
 
     def gpu(self, stream):
-        """Around the device work of one batch-step: GPU time, from events on its stream."""
+        """Around the device work of one batch-step: its GPU time, from events on its stream."""
         return self._gpu(stream) if self.cuda else self.null
 
     @contextlib.contextmanager
@@ -725,59 +732,41 @@ class PhaseTimer:
         with self.lock:
             self.pending.append((start, end))
 
-    def collect(self):
-        """Read the GPU times of the last rollout: call after the host has waited for it."""
-        with self.lock:
-            pending, self.pending = self.pending, []
+    def step(self, last=False):
+        """After each iteration (its rollout waited for): read its GPU times; at the end, the table."""
+        if not self.enabled:
+            return
+        pending, self.pending = self.pending, []
         if pending:
             self.add("GPU: batch-steps", sum(start.elapsed_time(end) for start, end in pending) / 1000)
+        self.torch_profiler.step()
+        self.iterations -= 1
+        if self.iterations == 0 or last:
+            self.torch_profiler.stop()
+            self.enabled = self.cuda = False
+            print(self.table(), flush=True)
 
     def table(self) -> str:
-        host = {k: v for k, v in self.totals.items() if not k.startswith("GPU")}
+        host = {k: v for k, v in self.totals.items() if not k.startswith("GPU:")}
         total = sum(host.values()) or 1.0
         lines = [f"{'phase':<22}{'seconds':>10}{'share':>8}"]
-        for name, seconds in sorted(self.totals.items(), key=lambda kv: (kv[0].startswith("GPU"), -kv[1])):
+        for name, seconds in sorted(self.totals.items(), key=lambda kv: (kv[0] not in host, -kv[1])):
             share = f"{seconds / total:>8.1%}" if name in host else f"{'':>8}"
             lines.append(f"{name:<22}{seconds:>10.3f}{share}")
         return "\n".join(lines)
 
 
-def make_profiler(enabled: bool, run_dir, device: torch.device):
-    """torch.profiler over iterations 2-4 (the first warms up); trace.json opens in Perfetto."""
-    if not enabled:
-        return None
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    trace = str(Path(run_dir) / "trace.json")
-
-    def on_trace_ready(profiler):
-        profiler.export_chrome_trace(trace)
-        print(f"profiler trace: {trace} (open in https://ui.perfetto.dev)", flush=True)
-
-    schedule = torch.profiler.schedule(wait=1, warmup=0, active=3, repeat=1)
-    profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=on_trace_ready)
-    profiler.start()
-    return profiler
-
-
 # ----------------------------------------------------------------------------- threaded envs
 def seeded_reset(envs, seed):
-    """Seed an ale-py AtariVectorEnv and start its games; returns (obs, info) of the start.
-
-    ale-py seeds each env's noop generator and ALE's sticky-action generator with the same
-    seed, so their first draws agree: the first game's FIRE frame was dropped exactly when its
-    noop count was small (Breakout: no ball served iff at most 7 frames before the
-    first observation). A second reset, unseeded, draws both from unrelated positions.
-    Env i gets seed + i, wrapped into ale-py's range (a C int: below 2**31).
-    """
+    """Seed an AtariVectorEnv (env i gets seed + i, below 2**31) and start its games; returns
+    (obs, info). The second, unseeded reset unties the first game's FIRE frame from its noop
+    count, which one seed draws from the same position (docs/protocol.md)."""
     envs.reset(seed=(seed + np.arange(envs.num_envs)) % 2**31)
     return envs.reset()
 
 
 def probe_frames(env_id, num_envs, device, steps=40, seed=0) -> torch.Tensor:
-    """Real frame stacks, uint8 [num_envs, 4, 84, 84] on `device`, after `steps` random steps
-    (for checking a policy's numbers on what it will see)."""
+    """Real frame stacks, uint8 [num_envs, 4, 84, 84] on `device`, after `steps` random steps."""
     from ale_py.vector_env import AtariVectorEnv
 
     envs = AtariVectorEnv(rom_id(env_id), num_envs, **ALE_V5, num_threads=1)
@@ -790,16 +779,10 @@ def probe_frames(env_id, num_envs, device, steps=40, seed=0) -> torch.Tensor:
 
 
 class ThreadedAtariEnvs:
-    """`num_envs` ale-py envs (v5 protocol) split into `num_batches` fixed, independent batches.
-
-    Each batch is one `AtariVectorEnv`: its C++ threads step the envs with the GIL released,
-    so Python can run inference for one batch while another batch's envs step. The envs return
-    only the newest 84x84 frame (stack_num=1); stacking happens on the device. Rewards come
-    back unclipped: full-game returns are summed here, the learner gets them clipped.
-    Autoreset is SameStep: at a game over the returned frame is already the new game's first.
-
-    With serial=True (for debugging) send() steps the batch to completion before returning.
-    """
+    """`num_envs` ale-py envs (v5 protocol) in `num_batches` fixed batches, each one
+    AtariVectorEnv whose C++ threads step it with the GIL released. Each env returns its newest
+    frame only (the stacks live on the device); full-game returns are summed here, the learner
+    gets clipped rewards. serial=True: send() steps the batch to completion (for debugging)."""
 
     def __init__(
         self, env_id, num_envs, num_batches, num_threads, seed, life_loss_terminal=True, serial=False, first_core=None
@@ -828,7 +811,6 @@ class ThreadedAtariEnvs:
         ]
         self.num_actions = int(self.envs[0].single_action_space.n)
         self.seed = seed
-        # full-game accounting, on the host where the data already is
         self.episode_return = np.zeros(num_envs, dtype=np.float64)
         self.episode_length = np.zeros(num_envs, dtype=np.int64)
         self.frame_number = np.zeros(num_envs, dtype=np.int64)
@@ -855,10 +837,8 @@ class ThreadedAtariEnvs:
             self.results[b] = self.envs[b].recv()
 
     def recv(self, b: int, rewards_out: np.ndarray, dones_out: np.ndarray):
-        """Wait for batch b; write clipped rewards and learner terminals (float) in place.
-
-        Returns (frames uint8 [batch, 84, 84], indices in the batch whose game ended).
-        """
+        """Wait for batch b and write its clipped rewards and learner terminals in place;
+        returns (frames uint8 [batch, 84, 84], indices in the batch whose game ended)."""
         if self.serial:
             obs, reward, terminated, truncated, info = self.results[b]
         else:
@@ -882,9 +862,8 @@ class ThreadedAtariEnvs:
         return obs[:, 0], ended
 
     def pop_finished(self):
-        """The games that ended since the last call, in the order they ended. Each game's last
-        field counts the vector steps since that call (1 = the first step), so a script can log
-        it at the step where it ended, as the baseline does, even though batches run apart."""
+        """The games ended since the last call, in order; each one's last field counts the vector
+        steps since that call (1 = the first), so a script logs it at the step where it ended."""
         finished = sorted(self.finished, key=lambda game: game[3])
         self.finished = []
         self.steps[:] = 0
@@ -896,14 +875,13 @@ class ThreadedAtariEnvs:
 
 
 def split_threads(num_threads, num_batches, batch_size) -> list[int]:
-    """num_threads env threads over the batches: batch b gets q + (b < r) of them, where
-    q, r = divmod(num_threads, num_batches), so none is left idle; at least 1, at most one per env."""
+    """Batch b gets q + (b < r) threads, q, r = divmod(num_threads, num_batches); 1 to batch_size."""
     q, r = divmod(num_threads, num_batches)
     return [max(1, min(q + (b < r), batch_size)) for b in range(num_batches)]
 
 
 def threads_text(threads_per_batch) -> str:
-    """The env threads for the first line: '15 env threads (2,2,2,2,2,2,2,1 per batch)'."""
+    """'15 env threads (2,2,2,2,2,2,2,1 per batch)'."""
     return f"{sum(threads_per_batch)} env threads ({','.join(map(str, threads_per_batch))} per batch)"
 
 
@@ -912,8 +890,8 @@ CGROUP_V1_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")  # -1: no quota
 
 
 def usable_cores() -> tuple[int, bool]:
-    """(CPUs this process may use, whether it owns every core of the machine): the affinity mask,
-    capped by a cgroup CPU quota, which containers on big hosts often use instead of a cpuset."""
+    """(CPUs this process may use, whether it owns every core): the affinity mask, capped by a
+    cgroup CPU quota, which containers often use instead of a cpuset."""
     affinity = os.sched_getaffinity(0)
     cores, quota = len(affinity), None
     try:
@@ -932,13 +910,9 @@ def usable_cores() -> tuple[int, bool]:
 
 
 def env_threads(requested, device, num_batches, batch_size, local_rank=0, local_world_size=1):
-    """(C++ env threads of each batch, first core to pin them from or None) for one process.
-
-    On CUDA the default is this process's share of the cores but one, which its driver thread
-    keeps (under torchrun the cores are shared by the processes on the machine), and the
-    threads are pinned to disjoint cores when the process may use every core of the machine.
-    On CPU the default gives each batch min(cores, its size) threads, unpinned, since inference
-    runs on the same cores (docs/rollout.md)."""
+    """(env threads of each batch, first core to pin them from or None) for this process. CUDA:
+    its share of the cores but the driver's, pinned when it owns the machine; CPU: min(cores,
+    batch size) per batch, unpinned (docs/rollout.md, "The env-thread budget")."""
     cores, whole_machine = usable_cores()
     share = max(1, cores // local_world_size)
     if requested is None:
@@ -949,17 +923,9 @@ def env_threads(requested, device, num_batches, batch_size, local_rank=0, local_
 
 
 # ----------------------------------------------------------------------------- GPU batching
-# Stream and event rules of the rollout (every line below that touches CUDA follows them):
-# - each env batch has its own stream from PyTorch's pool; those streams do not wait for the
-#   default stream by themselves, so before a rollout each waits for it (fork_streams: the
-#   refreshed weights, the uniforms, the last update), and after it the default stream waits
-#   for each (join_streams: the storage they wrote);
-# - a pinned host buffer is written by the host only after the copy that last read or filled
-#   it is done: one event per env batch, recorded after its step's last copy, which the host
-#   waits on before it reads the actions or stages the next frames; one event after the copy
-#   of the rewards and terminals to the device, waited on before the next rollout writes them.
+# Each env batch has its own stream, pinned host buffers and events, used by the rules in
+# docs/rollout.md ("Streams and events"). On CPU the stream and event helpers are no-ops.
 def new_stream(device: torch.device):
-    """A CUDA stream for one env batch; None on CPU, where streams are no-ops."""
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
@@ -968,22 +934,21 @@ def on_stream(stream):
 
 
 def fork_streams(streams):
-    """Each stream waits for the current (default) stream's work so far; no host sync."""
+    """Each stream waits for the default stream's work so far; no host sync."""
     for stream in streams:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
 
 
 def join_streams(streams):
-    """The current (default) stream waits for each stream's work so far; no host sync."""
+    """The default stream waits for each stream's work so far; no host sync."""
     for stream in streams:
         if stream is not None:
             torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 def new_event(device: torch.device):
-    """An event the host waits on by sleeping (blocking sync), not by spinning a core that the
-    env threads need; None on CPU, where work is done when the call returns."""
+    """An event the host waits on by sleeping, not by spinning a core the env threads need."""
     return torch.cuda.Event(blocking=True) if device.type == "cuda" else None
 
 
@@ -998,15 +963,13 @@ def wait(event):
 
 
 def host_buffer(shape, dtype, device: torch.device) -> torch.Tensor:
-    """Page-locked host memory when a GPU is used, so copies can be asynchronous."""
+    """Page-locked when a GPU is used, so copies can be asynchronous."""
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 def warm_up(step, num_steps, num_batches, streams):
-    """Run step(t, b) once for every step and batch, on the main thread, before any worker
-    thread or CUDA graph capture: Triton compiles each kernel specialization at its first
-    launch (not thread-safe, and the storage views' alignment differs with t and b, so there
-    are several) and cuDNN picks its algorithms. What it writes is overwritten later."""
+    """Run step(t, b) once for every step and batch on this thread, before any worker thread
+    or capture: Triton compiles at a first launch (not thread-safe), cuDNN picks algorithms."""
     fork_streams(streams)  # the buffers, storage and weights were made on the default stream
     for b, stream in enumerate(streams):
         with on_stream(stream):
@@ -1016,14 +979,9 @@ def warm_up(step, num_steps, num_batches, streams):
 
 
 def capture_graphs(step, num_steps, num_batches, streams):
-    """A CUDA graph of step(t, b) for every step and batch, and a function that replays the
-    one for (t, b) on the current stream: one launch for the host instead of one per kernel.
-
-    step(t, b) touches the same addresses every time it runs (views of the rollout storage,
-    fixed buffers), so replaying the graph is running it. The graphs of one batch share a
-    memory pool for the convolutions' outputs: they are replayed one after another on the
-    batch's stream, never two at once. Captured on a side stream after a warm_up.
-    """
+    """A CUDA graph of step(t, b) for every step and batch (step touches fixed addresses, so a
+    replay is a run); returns replay(t, b). A batch's graphs share a memory pool: they replay
+    one after another on its stream. Captured on a side stream after a warm_up."""
     graphs = [[None] * num_batches for _ in range(num_steps)]
     capture_stream = torch.cuda.Stream(streams[0].device)
     torch.cuda.synchronize()
@@ -1041,13 +999,9 @@ def capture_graphs(step, num_steps, num_batches, streams):
 
 
 def drive(rollouts, mode, pool=None):
-    """Run every env batch's rollout generator to its end; returns what each one returned.
-
-    A rollout generator pauses (yields) where its batch waits for the GPU or for its envs.
-    mode "single": one thread resumes the batches in turn, so while one batch waits, the
-    driver serves the others. "threads": each runs through in a worker thread of `pool`.
-    "sequential": one after another, for debugging.
-    """
+    """Run every batch's rollout generator to its end; returns what each returned. "single": one
+    thread resumes them in turn (each yields where it waits); "threads": one worker thread each
+    from `pool`; "sequential": one after another."""
     if mode == "threads":
         return list(pool.map(run_through, rollouts))
     if mode == "sequential":
@@ -1072,23 +1026,18 @@ def run_through(generator):
 
 
 class BatchedRollout:
-    """The native scripts' rollout, written once: the envs' batches (envs.slices) stepped by
-    their C++ threads while the device works on other batches, each batch with its own
-    stream, buffers and pinned host buffers, writing straight into the script's storage.
+    """The native scripts' rollout: the env batches stepped by their C++ threads while the
+    device runs the policy for other batches, each batch with its own stream and buffers,
+    writing straight into the script's storage (passed by keyword, shapes in the script).
+    policy: kernels.rollout_policy's; driver: see drive; cuda_graphs: replay each batch-step."""
 
-    The storage is the script's, passed by keyword (T steps, N envs; step T is the one after
-    the horizon: its stacks start the next rollout and its values bootstrap): obs (T+1, N, 4,
-    84, 84) uint8; actions, logprobs, values (T+1, N); rewards (T, N); dones (T+1, N), where
-    dones[t] = 1 when obs[t] follows a terminal. policy: kernels.rollout_policy's step. driver:
-    "single", "threads" or "sequential" (see drive). cuda_graphs: replay each (step, batch)
-    from a CUDA graph. Follows the stream and event rules above.
-    """
-
-    def __init__(self, envs, policy, *, obs, actions, logprobs, values, rewards, dones, driver, cuda_graphs, timer):
+    def __init__(
+        self, envs, policy, *, obs, actions, logprobs, values, rewards, dones, driver, cuda_graphs, profiler=None
+    ):
         import kernels  # here, not at the top: the baseline imports utils and needs no Triton
 
         self.kernels, self.policy = kernels, policy
-        self.envs, self.driver, self.timer = envs, driver, timer
+        self.envs, self.driver, self.profiler = envs, driver, profiler or Profiler(False)
         self.rewards, self.dones = rewards, dones
         self.device, (T, N) = obs.device, rewards.shape
         self.T, self.obs, self.slices, num_batches = T, obs, envs.slices, len(envs.slices)
@@ -1100,9 +1049,8 @@ class BatchedRollout:
         self.rewards_np, self.dones_np = self.rewards_host.numpy(), self.dones_host.numpy()
         self.copied = new_event(self.device)  # the host writes rewards_host and dones_host after it
         self.training_threads = torch.get_num_threads()
-        # per env batch: a stream, device buffers, pinned buffers for its new frames and its
-        # actions, and an event after its step's last copy, which the host waits on before it
-        # reads the actions or stages the next frames
+        # per batch: a stream, device buffers, pinned buffers for its new frames and its actions,
+        # and an event after its step's last copy (the host waits on it before reusing them)
         batch = envs.batch_size
         self.streams = [new_stream(self.device) for _ in range(num_batches)]
         self.buffers = [
@@ -1113,9 +1061,8 @@ class BatchedRollout:
         self.staging_np = [staging.numpy() for staging in self.staging]
         self.actions_host_np = [actions_host.numpy() for actions_host in self.actions_host]
         self.step_done = [new_event(self.device) for _ in self.slices]
-        # every view of the storage that batch b's step t touches, made once: the stacks before
-        # it (at t = 0 they come over unchanged from the step after the last horizon, obs[T]),
-        # its stacks, uniforms, actions, log-probs and values
+        # every view batch b's step t touches, made once: the stacks before it (at t = 0, obs[T]
+        # from the last horizon), its stacks, uniforms, actions, log-probs and values
         self.step_views = [
             [(obs[t - 1 if t > 0 else T, sl], obs[t, sl], self.uniforms[t, sl], actions[t, sl], logprobs[t, sl],
               values[t, sl]) for sl in self.slices]
@@ -1123,17 +1070,16 @@ class BatchedRollout:
         ]  # fmt: skip
 
         def step(t, b):
-            """Batch b's step t on the device, straight into the storage."""
             policy.step(self.buffers[b], *self.step_views[t][b], shift=t > 0)
 
-        if self.device.type == "cuda":  # every first launch now, on this thread, before any worker or capture
+        if self.device.type == "cuda":
             warm_up(step, T + 1, num_batches, self.streams)
         self.step = capture_graphs(step, T + 1, num_batches, self.streams) if cuda_graphs else step
         self.pool = ThreadPoolExecutor(num_batches, thread_name_prefix="env-batch") if driver == "threads" else None
 
     def start(self):
-        """Start the games: the first frames go to the slot after the horizon, obs[T], which
-        each rollout moves to step 0; every game just began, so the older frames are zeros."""
+        """Start the games: their first frames go to obs[T] (older frames zero), which the first
+        rollout moves to step 0."""
         kernels = self.kernels
         for b, frames in enumerate(np.split(self.envs.reset(), len(self.slices))):
             with on_stream(self.streams[b]):
@@ -1146,16 +1092,11 @@ class BatchedRollout:
         self.dones_np[self.T] = 0
 
     def collect(self, should_stop=lambda: False):
-        """One rollout of T steps into the storage, its rewards and terminals then copied to
-        the device. On the default stream first: the policy's weights refreshed and every
-        sample's uniform drawn; each batch's stream waits for that (and the last update), and
-        the default stream waits for every batch's after. Returns False, with the rollout
-        abandoned, if should_stop() came true."""
+        """One rollout of T steps into the storage, rewards and terminals copied to the device
+        after it. Returns False, the rollout abandoned, if should_stop() came true."""
         self.policy.refresh()
         if self.device.type == "cpu":
-            # one OpenMP thread per op while env threads run: idle OpenMP threads spin-wait on
-            # the cores the env threads need; training gets every thread back
-            torch.set_num_threads(1)
+            torch.set_num_threads(1)  # idle OpenMP threads would spin on the env threads' cores
         torch.rand(self.uniforms.shape, out=self.uniforms, device=self.device)
         wait(self.copied)  # the last copies of the host buffers are done
         self.dones_np[0] = self.dones_np[self.T]
@@ -1173,23 +1114,20 @@ class BatchedRollout:
         return True
 
     def launch(self, t, b, frames=None, ended=()):
-        """Batch b's step t: its new frames to the device (none at t = 0), the policy, the
-        actions back to the host, and step_done[b] after them, all queued on its stream."""
+        """Queue batch b's step t on its stream: new frames in, the policy, actions out, the event."""
         kernels = self.kernels
-        with on_stream(self.streams[b]), self.timer("launch"):
+        with on_stream(self.streams[b]), self.profiler("launch"):
             if frames is not None:
                 kernels.stage_frames(self.staging_np[b], frames, ended)
                 self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
-            with self.timer.gpu(self.streams[b]):
+            with self.profiler.gpu(self.streams[b]):
                 self.step(t, b)
             self.actions_host[b].copy_(self.step_views[t][b][3], non_blocking=True)
             record(self.step_done[b], self.streams[b])
 
     def rollout_batch(self, b, should_stop):
-        """Env batch b through the horizon, as a generator: it pauses (yield) while its policy
-        runs on the device and while its envs step, so that one driver thread can serve every
-        batch in turn (drive); a worker thread runs it straight through. Returns the steps
-        done: fewer when a stop came."""
+        """Env batch b through the horizon, as a generator that pauses (yield) while its policy
+        runs and while its envs step; returns the steps done (fewer after a stop)."""
         sl = self.slices[b]
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per thread
@@ -1199,11 +1137,11 @@ class BatchedRollout:
             if step == 0:
                 self.launch(0, b)
             else:
-                with self.timer("env wait"):
+                with self.profiler("env wait"):
                     frames, ended = self.envs.recv(b, self.rewards_np[step - 1, sl], self.dones_np[step, sl])
                 self.launch(step, b, frames, ended)
             yield
-            with self.timer("GPU wait"):
+            with self.profiler("GPU wait"):
                 wait(self.step_done[b])
             if step < self.T:  # the step after the horizon only gives the bootstrap value
                 self.envs.send(b, self.actions_host_np[b])
@@ -1215,18 +1153,8 @@ class BatchedRollout:
             self.pool.shutdown()
 
 
-def cpu_has_bf16() -> bool:
-    """Native bf16 arithmetic on this CPU (AVX-512 BF16 or AMX), read from /proc/cpuinfo."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
-
-
 def resolve_driver(driver: str, device: torch.device, num_batches: int) -> str:
-    """Who serves the env batches (see drive): auto -> one driver thread on CUDA, a worker
-    thread per batch elsewhere; one batch runs sequential."""
+    """auto: one driver thread on CUDA, a worker thread per batch elsewhere; one batch: sequential."""
     if driver not in ("auto", "single", "threads", "sequential"):
         raise UsageError(f"--driver {driver!r}: expected auto, single, threads or sequential")
     if num_batches == 1:
@@ -1237,8 +1165,7 @@ def resolve_driver(driver: str, device: torch.device, num_batches: int) -> str:
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """auto -> bf16 where the hardware has it (CUDA sm_80 and newer; CPUs with AVX-512 BF16 or
-    AMX), fp32 elsewhere; an explicit bf16 is refused on a GPU without it."""
+    """auto: bf16 where the hardware has it (CUDA sm_80+, CPUs with AVX-512 BF16 or AMX), else fp32."""
     if precision not in ("auto", "fp32", "bf16"):
         raise UsageError(f"--precision {precision!r}: expected auto, fp32 or bf16")
     if device.type == "cuda":
@@ -1250,3 +1177,21 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision == "auto":
         return "bf16" if has_bf16 else "fp32"
     return precision
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def use_device(device: torch.device, precision: str) -> torch.dtype:
+    """Make `device` this thread's and return the rollout's dtype. fp32 means float32 everywhere,
+    TF32 off in cuDNN and matmuls, so that the rollout's log-probs equal the learner's."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # worker threads set theirs
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch.bfloat16 if precision == "bf16" else torch.float32

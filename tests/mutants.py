@@ -122,9 +122,9 @@ MUTANTS = [
     ("checkpoint written in place, not atomically", "utils.py",
      'tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")', "tmp = path", RESUME),
     # torchrun
-    ("all-reduced gradients never written back", "ppo_atari_native.py",
+    ("all-reduced gradients never written back", "utils.py",
      "g.copy_(flat[offset : offset + g.numel()].view_as(g))", "pass", DISTRIBUTED),
-    ("all-reduced gradients summed, not averaged", "ppo_atari_native.py",
+    ("all-reduced gradients summed, not averaged", "utils.py",
      "flat /= world_size", "pass", DISTRIBUTED),
 ]  # fmt: skip
 

@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 from conftest import ROOT, assert_all_tags, read_scalars, run_dir_of, script_env
 
 import ppo_atari_native as native
+import utils
 
 
 def test_torchrun_two_ranks_gloo(runs_dir):
@@ -61,7 +62,7 @@ def all_reduce_on_rank(rank, world_size, init_file, out_dir):
     parameters = [torch.nn.Parameter(torch.zeros(shape)) for shape in agent_shapes()]
     for p, grad in zip(parameters, own_gradients(rank), strict=True):
         p.grad = grad
-    native.all_reduce_gradients(parameters, world_size)
+    utils.all_reduce_gradients(parameters, world_size)
     torch.save([p.grad for p in parameters], out_dir / f"rank{rank}.pt")
     dist.destroy_process_group()
 

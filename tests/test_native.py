@@ -1,5 +1,7 @@
 """ppo_atari_native.py and utils' env machinery: the fast path must compute what the plain one does."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -262,3 +264,28 @@ def test_drivers_compute_the_same_run(runs_dir):
         models.append(torch.load(run_dir_of(result) / "model.pt", weights_only=True)["model"])
     for model in models[1:]:
         assert all(torch.equal(model[k], models[0][k]) for k in model)
+
+
+@pytest.mark.parametrize("script,iterations", [("ppo_atari_native.py", 6), ("a2c_atari.py", 2)])
+def test_profile_writes_a_trace_and_one_table_of_phases(script, iterations, runs_dir):
+    """--profile traces iterations 2-4 (or up to the last) and prints one table of time per
+    phase, after the 4th iteration's line (or the last's)."""
+    args = ["--num-envs", "4", "--num-steps", "32", "--total-timesteps", str(128 * iterations), "--profile"]
+    args += ["--num-minibatches", "4"] if script == "ppo_atari_native.py" else ["--log-interval", "1"]
+    result = run_script(script, *args, "--runs-dir", runs_dir)
+    assert (run_dir_of(result) / "trace.json").is_file()
+    lines = result.stdout.splitlines()
+    header = [i for i, line in enumerate(lines) if re.fullmatch(r"phase\s+seconds\s+share", line)]
+    assert len(header) == 1, result.stdout
+    progress = [i for i, line in enumerate(lines) if line.startswith("iter ")]
+    assert progress[min(4, iterations) - 1] < header[0]
+    assert iterations <= 4 or header[0] < progress[4]
+    rows = {}  # phase -> its share of the host's time (on CPU every phase is the host's)
+    for line in lines[header[0] + 1 :]:
+        row = re.fullmatch(r"(.{22})\s*\d+\.\d{3}\s+(\d+\.\d)%", line)
+        if row is None:
+            break
+        rows[row[1].strip()] = float(row[2])
+    assert {"env wait", "launch", "GPU wait", "training"} <= rows.keys(), lines[header[0] :]
+    assert abs(sum(rows.values()) - 100) < 0.5
+    assert "profiler trace: " in result.stdout

@@ -78,8 +78,7 @@ def collect(agent, policy, driver, num_envs=4, num_batches=2, T=6, seed=3):
     the uniforms it drew."""
     envs = utils.ThreadedAtariEnvs("Breakout-v5", num_envs, num_batches, num_envs, seed)
     storage = rollout_storage(T, num_envs)
-    timer = utils.PhaseTimer(False, torch.device("cpu"))
-    rollout = utils.BatchedRollout(envs, policy, **storage, driver=driver, cuda_graphs=False, timer=timer)
+    rollout = utils.BatchedRollout(envs, policy, **storage, driver=driver, cuda_graphs=False)
     rollout.start()
     torch.manual_seed(seed)
     assert rollout.collect()

@@ -25,9 +25,7 @@ def collect(agent, num_envs, num_batches, num_steps, iterations, seed):
     policy = kernels.rollout_policy("fused", agent, torch.float32, utils.probe_frames("Breakout-v5", 2, cpu))
     storage = rollout_storage(T, N)
     driver = utils.resolve_driver("auto", cpu, num_batches)
-    rollout = utils.BatchedRollout(
-        envs, policy, **storage, driver=driver, cuda_graphs=False, timer=utils.PhaseTimer(False, cpu)
-    )
+    rollout = utils.BatchedRollout(envs, policy, **storage, driver=driver, cuda_graphs=False)
     rollout.start()
     torch.manual_seed(seed)
     copies = []
