@@ -10,6 +10,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -48,13 +49,13 @@ class Args:
     """split the envs into this many independent batches, each on its own CUDA stream (at least 1; divides num_envs)"""
     num_env_threads: int | None = None
     """C++ env threads in all, at least 1 (default: CUDA: the cores but the driver's; CPU: min(cores, batch) each)"""
-    precision: str = "auto"
-    """auto, fp32 or bf16 (auto: bf16 where the GPU or CPU has it natively, fp32 elsewhere)"""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 where the GPU or CPU has it natively, fp32 elsewhere)"""
     cuda_graphs: bool = True
     """on CUDA, replay each batch-step's device work as a captured CUDA graph (off: launch its kernels one by one)"""
-    policy: str = "auto"
+    policy: Literal["auto", "fused", "module"] = "auto"
     """the rollout's policy step: fused (the kernels, for the network they mirror), module (Agent.forward), auto"""
-    driver: str = "auto"
+    driver: Literal["auto", "single", "threads", "sequential"] = "auto"
     """who serves the env batches: single (one thread in turn), threads (one each), auto (CUDA: single; else
     threads), sequential (for debugging: one env thread, each batch stepped to completion, no overlap)"""
     profile: bool = False
@@ -158,8 +159,7 @@ class Agent(nn.Module):
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
     def forward(self, x):
-        """Logits and value of uint8 frame stacks. Under bf16 autocast (--precision bf16) the
-        network runs in bfloat16; the heads always in float32."""
+        """Logits and value of uint8 frame stacks; under bf16 autocast the heads stay float32."""
         hidden = self.network(x.contiguous(memory_format=torch.channels_last) * (1.0 / 255.0))
         with torch.autocast(x.device.type, enabled=False):
             hidden = hidden.float()
@@ -174,13 +174,10 @@ class Agent(nn.Module):
 
 
 def gae(rewards, values, dones, gamma, gae_lambda):
-    """GAE vectorized over time: no Python loop over the horizon. With gae_lambda=1 the
-    returns are A2C's n-step returns: rewards up to the horizon, then the bootstrap value.
-
-    rewards [T, N]; values and dones [T + 1, N], where dones[t] = 1 when obs[t] follows a
-    terminal. A_t = sum_s (gamma lambda)^(s - t) delta_s over s >= t with no terminal in
-    between, i.e. where the running count of terminals is the same at s as at t.
-    """
+    """GAE vectorized over time (no Python loop over the horizon): rewards [T, N], values and dones
+    [T + 1, N]. A_t = sum_s (gamma lambda)^(s - t) delta_s over s >= t with no terminal in between,
+    i.e. where the running count of terminals is the same at s as at t. With gae_lambda=1 the
+    returns are A2C's n-step returns: rewards up to the horizon, then the bootstrap value."""
     num_steps = rewards.shape[0]
     next_nonterminal = 1.0 - dones[1:]
     deltas = rewards + gamma * values[1:] * next_nonterminal - values[:-1]
@@ -227,8 +224,6 @@ def update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dt
 def parse_args() -> Args:
     args = utils.cli(Args)  # tyro.cli, with its errors as one line
     utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir, video
-    if args.policy not in ("auto", "fused", "module"):
-        raise utils.UsageError(f"--policy {args.policy!r}: expected auto, fused or module")
     if args.num_envs % args.num_gpu_batches:
         raise utils.UsageError(
             f"--num-envs {args.num_envs} is not divisible by --num-gpu-batches {args.num_gpu_batches}"

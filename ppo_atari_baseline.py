@@ -10,6 +10,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import gymnasium as gym
 import numpy as np
@@ -43,7 +44,7 @@ class Args:
     """number of full games played by --eval-checkpoint; at least 1"""
     capture_video: bool = False
     """record the evaluation games to videos/ in the run directory (needs moviepy)"""
-    vector_mode: str = "async"
+    vector_mode: Literal["async", "sync"] = "async"
     """async: one process per env (gymnasium AsyncVectorEnv); sync: all in this process"""
 
     # Algorithm specific arguments
@@ -93,40 +94,6 @@ class Args:
     """the number of iterations (computed in runtime)"""
 
 
-class LifeLossTerminal(gym.Wrapper):
-    """Report a lost life as terminal to the learner while the game goes on (as ale-py's
-    life_loss_info does for the native scripts).
-
-    The vector env then calls reset() (no arguments), which restarts the game only when it
-    really ended; after a lost life it returns the last observation and takes no step, so
-    frame stacks and episode statistics (recorded inside this wrapper) run over the full game.
-    A reset with a seed or options always restarts the game.
-    """
-
-    def __init__(self, env):
-        super().__init__(env)
-        self.lives = 0
-        self.game_over = True
-        self.last = None
-
-    def step(self, action):
-        obs, reward, terminated, truncated, info = self.env.step(action)
-        self.game_over = terminated or truncated
-        lives = self.env.unwrapped.ale.lives()
-        terminated = terminated or 0 < lives < self.lives
-        self.lives = lives
-        self.last = obs, info
-        return obs, reward, terminated, truncated, info
-
-    def reset(self, *, seed=None, options=None):
-        if not self.game_over and seed is None and options is None:
-            return self.last
-        self.game_over = False
-        obs, info = self.env.reset(seed=seed, options=options)
-        self.lives = self.env.unwrapped.ale.lives()
-        return obs, info
-
-
 def make_env(env_id, seed, life_loss_terminal):
     def thunk():
         import multiprocessing
@@ -148,7 +115,7 @@ def make_env(env_id, seed, life_loss_terminal):
         env = gym.wrappers.RecordEpisodeStatistics(env)  # full games, unclipped, agent steps
         env = gym.wrappers.FrameStackObservation(env, 4, padding_type="zero")
         if life_loss_terminal:
-            env = LifeLossTerminal(env)
+            env = utils.LifeLossTerminal(env)
         env = gym.wrappers.ClipReward(env, -1, 1)  # the learner sees clipped rewards
         env.action_space.seed(seed)
         return env
@@ -210,6 +177,22 @@ def gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
         delta = rewards[t] + gamma * nextvalues * nextnonterminal - values[t]
         advantages[t] = lastgaelam = delta + gamma * gae_lambda * nextnonterminal * lastgaelam
     return advantages, advantages + values
+
+
+def parse_args() -> Args:
+    args = utils.cli(Args)  # tyro.cli, with its errors as one line
+    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir, video
+    args.batch_size = int(args.num_envs * args.num_steps)
+    if args.batch_size % args.num_minibatches:
+        raise utils.UsageError(
+            f"batch size {args.batch_size} (num_envs x num_steps) is not divisible by "
+            f"--num-minibatches {args.num_minibatches}"
+        )
+    if args.eval_checkpoint is None and args.total_timesteps < args.batch_size:
+        raise utils.UsageError(f"--total-timesteps {args.total_timesteps} is below one batch ({args.batch_size} steps)")
+    args.minibatch_size = int(args.batch_size // args.num_minibatches)
+    args.num_iterations = args.total_timesteps // args.batch_size
+    return args
 
 
 def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, args):
@@ -274,24 +257,6 @@ def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_retur
         if args.target_kl is not None and approx_kl > args.target_kl:
             break
     return v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfracs
-
-
-def parse_args() -> Args:
-    args = utils.cli(Args)  # tyro.cli, with its errors as one line
-    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir, video
-    if args.vector_mode not in ("async", "sync"):
-        raise utils.UsageError(f"--vector-mode {args.vector_mode!r}: expected async or sync")
-    args.batch_size = int(args.num_envs * args.num_steps)
-    if args.batch_size % args.num_minibatches:
-        raise utils.UsageError(
-            f"batch size {args.batch_size} (num_envs x num_steps) is not divisible by "
-            f"--num-minibatches {args.num_minibatches}"
-        )
-    if args.eval_checkpoint is None and args.total_timesteps < args.batch_size:
-        raise utils.UsageError(f"--total-timesteps {args.total_timesteps} is below one batch ({args.batch_size} steps)")
-    args.minibatch_size = int(args.batch_size // args.num_minibatches)
-    args.num_iterations = args.total_timesteps // args.batch_size
-    return args
 
 
 if __name__ == "__main__":

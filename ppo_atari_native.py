@@ -11,6 +11,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -49,18 +50,18 @@ class Args:
     """split the envs into this many independent batches, each on its own CUDA stream (at least 1; divides num_envs)"""
     num_env_threads: int | None = None
     """C++ env threads in all, at least 1 (default: CUDA: the cores but the driver's; CPU: min(cores, batch) each)"""
-    precision: str = "auto"
-    """auto, fp32 or bf16 (auto: bf16 where the GPU or CPU has it natively, fp32 elsewhere)"""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """auto: bf16 where the GPU or CPU has it natively, fp32 elsewhere)"""
     cuda_graphs: bool = True
     """on CUDA, replay each batch-step's device work as a captured CUDA graph (off: launch its kernels one by one)"""
-    policy: str = "auto"
+    policy: Literal["auto", "fused", "module"] = "auto"
     """the rollout's policy step: fused (the kernels, for the network they mirror), module (Agent.forward), auto"""
-    driver: str = "auto"
+    driver: Literal["auto", "single", "threads", "sequential"] = "auto"
     """who serves the env batches: single (one thread in turn), threads (one each), auto (CUDA: single; else
     threads), sequential (for debugging: one env thread, each batch stepped to completion, no overlap)"""
     profile: bool = False
     """trace iterations 2-4 with torch.profiler (trace.json, for Perfetto) and print a table of time per phase"""
-    backend: str | None = None
+    backend: Literal["gloo", "nccl", "mpi"] | None = None
     """torch.distributed backend under torchrun (default: nccl on CUDA, gloo on CPU)"""
 
     # Algorithm specific arguments
@@ -137,8 +138,7 @@ class Agent(nn.Module):
         self.critic = layer_init(nn.Linear(512, 1), std=1)
 
     def forward(self, x):
-        """Logits and value of uint8 frame stacks. Under bf16 autocast (--precision bf16) the
-        network runs in bfloat16; the heads always in float32."""
+        """Logits and value of uint8 frame stacks; under bf16 autocast the heads stay float32."""
         hidden = self.network(x.contiguous(memory_format=torch.channels_last) * (1.0 / 255.0))
         with torch.autocast(x.device.type, enabled=False):
             hidden = hidden.float()
@@ -153,12 +153,9 @@ class Agent(nn.Module):
 
 
 def gae(rewards, values, dones, gamma, gae_lambda):
-    """GAE vectorized over time: no Python loop over the horizon.
-
-    rewards [T, N]; values and dones [T + 1, N], where dones[t] = 1 when obs[t] follows a
-    terminal. A_t = sum_s (gamma lambda)^(s - t) delta_s over s >= t with no terminal in
-    between, i.e. where the running count of terminals is the same at s as at t.
-    """
+    """GAE vectorized over time (no Python loop over the horizon): rewards [T, N], values and dones
+    [T + 1, N]. A_t = sum_s (gamma lambda)^(s - t) delta_s over s >= t with no terminal in between,
+    i.e. where the running count of terminals is the same at s as at t."""
     num_steps = rewards.shape[0]
     next_nonterminal = 1.0 - dones[1:]
     deltas = rewards + gamma * values[1:] * next_nonterminal - values[:-1]
@@ -174,8 +171,6 @@ def gae(rewards, values, dones, gamma, gae_lambda):
 def parse_args() -> Args:
     args = utils.cli(Args)  # tyro.cli, with its errors as one line
     utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir, video
-    if args.policy not in ("auto", "fused", "module"):
-        raise utils.UsageError(f"--policy {args.policy!r}: expected auto, fused or module")
     if args.num_envs % args.num_gpu_batches:
         raise utils.UsageError(
             f"--num-envs {args.num_envs} is not divisible by --num-gpu-batches {args.num_gpu_batches}"
@@ -192,21 +187,15 @@ def parse_args() -> Args:
         raise utils.UsageError(
             f"--total-timesteps {args.total_timesteps} is below one batch ({args.batch_size * world_size} steps)"
         )
-    if args.backend not in (None, "gloo", "nccl", "mpi"):
-        raise utils.UsageError(f"--backend {args.backend!r}: expected gloo, nccl or mpi")
     args.minibatch_size = int(args.batch_size // args.num_minibatches)
     args.num_iterations = args.total_timesteps // (args.batch_size * world_size)
     return args
 
 
 def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, args, dtype, world_size):
-    """CleanRL's PPO update: args.update_epochs passes over the batch, shuffled by torch's global
-    RNG, in minibatches; stops after an epoch past args.target_kl (the only sync with the host).
-
-    Returns stats [8] on the device (the last minibatch's value, policy and entropy losses,
-    old_approx_kl and approx_kl, then the sum of the minibatches' clip fractions and their
-    count) and a device bool: was any loss non-finite.
-    """
+    """CleanRL's PPO update, shuffled by torch's RNG; only target_kl syncs with the host. Returns, on
+    the device, stats [8] (the last minibatch's value, policy and entropy losses, old_approx_kl,
+    approx_kl; the clip fractions' sum and count) and whether any loss was non-finite."""
     device = b_obs.device
     stats = torch.zeros(8, device=device)
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)

@@ -55,6 +55,36 @@ class AleV5GameStart(gym.Wrapper):
         return obs, info
 
 
+class LifeLossTerminal(gym.Wrapper):
+    """A lost life is terminal for the learner while the game goes on, as ale-py's life_loss_info
+    does: the vector env's reset() after a lost life returns the last observation and takes no
+    step, so stacks and episode statistics run over the full game. A reset with a seed or
+    options always restarts the game."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.lives = 0
+        self.game_over = True
+        self.last = None
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.game_over = terminated or truncated
+        lives = self.env.unwrapped.ale.lives()
+        terminated = terminated or 0 < lives < self.lives
+        self.lives = lives
+        self.last = obs, info
+        return obs, reward, terminated, truncated, info
+
+    def reset(self, *, seed=None, options=None):
+        if not self.game_over and seed is None and options is None:
+            return self.last
+        self.game_over = False
+        obs, info = self.env.reset(seed=seed, options=options)
+        self.lives = self.env.unwrapped.ale.lives()
+        return obs, info
+
+
 # ----------------------------------------------------------------------------- conventions
 class UsageError(Exception):
     """Bad input from the user: one line on stderr, exit code 2."""
@@ -131,10 +161,18 @@ def cli(args_class):
         if e.code in (0, None):  # --help
             print(text, end="")
             raise
-        lines = [line.strip(" │╭╮╰╯\t") for line in text.splitlines()]
-        lines = [line for line in lines if line.strip("-─") and not line.startswith(("For full helptext", "usage:"))]
-        # the box's title, then its message, then (for a misspelled flag) what was meant
-        message = lines[1] if len(lines) > 1 else (lines[0] if lines else "could not parse the command line")
+        # tyro's box: a title, a rule (in a terminal, none), the message wrapped over lines up
+        # to the next rule, then for a misspelled flag what was meant
+        lines = [line.strip(" │╭╮╰╯\t") for line in text.splitlines() if line.strip() and not line.startswith("usage:")]
+        body = lines[1:]
+        while body and not body[0].strip("-─"):
+            body.pop(0)
+        message = []
+        for line in body:
+            if not line.strip("-─") or line.startswith("For full helptext"):
+                break
+            message.append(line)
+        message = " ".join(message) or "could not parse the command line"
         if "Perhaps you meant:" in lines and lines.index("Perhaps you meant:") + 1 < len(lines):
             message += f"; perhaps you meant {lines[lines.index('Perhaps you meant:') + 1].split()[0]}"
         fail(f"{message} (see --help)")

@@ -420,8 +420,9 @@ def bad_inputs(script):
         )
     if config.gpu_batches:
         cases.append(("gpu-batches", ["--num-envs", "6", "--num-gpu-batches", "4"], "--num-gpu-batches 4"))
-        cases.append(("precision-fp16", ["--precision", "fp16"], "--precision 'fp16'"))
-        cases.append(("driver-unknown", ["--driver", "fibers"], "--driver 'fibers'"))
+        cases.append(("precision-fp16", ["--precision", "fp16"], "invalid choice 'fp16' for argument '--precision'"))
+        cases.append(("driver-unknown", ["--driver", "fibers"], "invalid choice 'fibers' for argument '--driver'"))
+        cases.append(("policy-unknown", ["--policy", "triton"], "invalid choice 'triton' for argument '--policy'"))
     if script == "a2c_atari.py":
         cases.append(("rms-alpha-1", ["--rms-alpha", "1"], "--rms-alpha must be in [0, 1)"))
     return cases
