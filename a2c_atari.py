@@ -199,8 +199,7 @@ def update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dt
     if args.norm_adv:
         b_advantages = (b_advantages - b_advantages.mean()) / (b_advantages.std() + 1e-8)
 
-    # log-probs and values from the training network (they equal the rollout's: the weights
-    # have not changed since)
+    # the rollout's log-probs and values again, from the training network (same weights)
     with torch.autocast(b_obs.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs, b_actions)
     newvalue = newvalue.view(-1)
@@ -223,7 +222,7 @@ def update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dt
 
 def parse_args() -> Args:
     args = utils.cli(Args)  # tyro.cli, with its errors as one line
-    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir, video
+    utils.check_args(args)  # ranges, the game's name, --exp-name, --runs-dir, video
     if args.num_envs % args.num_gpu_batches:
         raise utils.UsageError(
             f"--num-envs {args.num_envs} is not divisible by --num-gpu-batches {args.num_gpu_batches}"
@@ -263,13 +262,12 @@ if __name__ == "__main__":
         print(utils.describe_run(args, device, "evaluation envs"), flush=True)
         utils.evaluate_checkpoint(Agent, evaluated, args, device)
 
-    # how the envs are stepped: C++ env threads per batch, and who serves the batches
+    # C++ env threads per env batch, and who serves the batches
     num_batches, batch = args.num_gpu_batches, args.num_envs // args.num_gpu_batches
     requested = 1 if args.driver == "sequential" else args.num_env_threads
     threads_per_batch, first_core = utils.env_threads(requested, device, num_batches, batch)
     graphs = args.cuda_graphs and device.type == "cuda"
-    # the rollout's policy step: the fused kernels where the Agent is the network they mirror
-    # (checked on real frames), else the Agent's own forward; never another policy than the learner's
+    # the rollout's policy step: the fused kernels if they compute this Agent, else Agent.forward
     num_actions = utils.num_actions(args.env_id)  # the game's minimal action set, as the envs use it
     agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
     try:
@@ -279,10 +277,10 @@ if __name__ == "__main__":
     envs_text = utils.rollout_text(args, threads_per_batch, first_core, driver, graphs, policy)
     print(utils.describe_run(args, device, envs_text, precision), flush=True)
 
-    # log setup: a resumed run continues in its own directory and step count
+    # log setup: a resume continues in its run directory
     run_dir, writer, stop, start_iteration, global_step = utils.start_run(args, checkpoint)
 
-    # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
+    # env setup: envs cannot be checkpointed, so a resume reseeds them
     env_seed = args.seed + 1_000_003 * start_iteration
     envs = utils.ThreadedAtariEnvs(
         args.env_id, args.num_envs, num_batches, sum(threads_per_batch), env_seed,
@@ -294,7 +292,7 @@ if __name__ == "__main__":
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
-        # the saved state brings its own lr, alpha and eps: the command line's win
+        # the command line's lr, alpha and eps, not the saved ones
         optimizer.param_groups[0].update(lr=args.learning_rate, alpha=args.rms_alpha, eps=args.rms_eps)
         utils.set_rng_states(checkpoint["rng"], device)
 
@@ -307,8 +305,8 @@ if __name__ == "__main__":
         }  # fmt: skip
         utils.save_checkpoint(path, state)
 
-    # ALGO LOGIC: storage setup. Step T is the one after the horizon: obs[T] starts the next
-    # rollout (it becomes obs[0]) and values[T] bootstraps; dones[t] = 1 when obs[t] follows a terminal
+    # ALGO LOGIC: storage setup. Row T is the step after the horizon: obs[T] starts the next
+    # rollout and values[T] bootstraps. dones[t] = 1 when obs[t] follows a terminal.
     T, N = args.num_steps, args.num_envs
     obs = torch.zeros((T + 1, N, 4, 84, 84), dtype=torch.uint8, device=device)
     actions = torch.zeros((T + 1, N), dtype=torch.long, device=device)
@@ -316,22 +314,20 @@ if __name__ == "__main__":
     values = torch.zeros((T + 1, N), device=device)
     rewards = torch.zeros((T, N), device=device)
     dones = torch.zeros((T + 1, N), device=device)
-    # statistics summed on the device between log lines: value, policy and entropy losses,
-    # and every value and return of the interval for the explained variance
+    # summed on the device between log lines: the losses, and values and returns for explained variance
     stats = torch.zeros(3, device=device)
     interval_values = torch.zeros((args.log_interval, T, N), device=device)
     interval_returns = torch.zeros((args.log_interval, T, N), device=device)
     logged_iterations = 0
 
-    # the rollout's machinery (utils.BatchedRollout): per env batch a stream, device buffers,
-    # pinned host buffers and an event; on CUDA each (step, batch)'s policy step captured as a CUDA graph
+    # the rollout (utils.BatchedRollout): per env batch a stream, buffers and CUDA graphs
     profiler = utils.Profiler(args.profile, run_dir, device)  # --profile: time per phase, a trace
     rollout = utils.BatchedRollout(
         envs, policy, obs=obs, actions=actions, logprobs=logprobs, values=values, rewards=rewards, dones=dones,
         driver=driver, cuda_graphs=graphs, profiler=profiler,
     )  # fmt: skip
 
-    # TRY NOT TO MODIFY: start the game (its first frames go to obs[T], which each rollout moves to step 0)
+    # TRY NOT TO MODIFY: start the game (its first frames go to obs[T])
     progress = utils.Progress(args.total_timesteps, global_step)
     rollout.start()
     iteration = start_iteration
@@ -343,14 +339,14 @@ if __name__ == "__main__":
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
-        # ALGO LOGIC: one rollout of T steps into the storage (utils.BatchedRollout.collect)
+        # ALGO LOGIC: the rollout, T steps into the storage
         rollout_start = time.perf_counter()
-        # a stop abandons the rollout: the checkpoint is the last full iteration
+        # a stop abandons the rollout
         if not rollout.collect(should_stop=lambda: stop):
             iteration = iteration - 1
             break
         progress.rollout_time += time.perf_counter() - rollout_start
-        # each game is logged at the step where it ended, as the baseline logs it
+        # a game is logged at the step where it ended
         for _, episodic_return, episodic_length, step in envs.pop_finished():
             progress.recent_returns.append(episodic_return)
             writer.add_scalar("charts/episodic_return", episodic_return, global_step + step * N)
@@ -358,8 +354,7 @@ if __name__ == "__main__":
         global_step += T * N
 
         with profiler("training"):
-            # ALGO LOGIC: advantages; with gae_lambda=1 the returns are n-step returns
-            # bootstrapped from values[T]
+            # ALGO LOGIC: advantages (gae_lambda=1: n-step returns, bootstrapped from values[T])
             with torch.no_grad():
                 advantages, returns = gae(rewards, values, dones, args.gamma, args.gae_lambda)
 
@@ -378,8 +373,7 @@ if __name__ == "__main__":
                 logged_iterations += 1
 
         # TRY NOT TO MODIFY: record losses for plotting purposes, every --log-interval iterations;
-        # the non-finite check every iteration (weights this update made overflow show up in
-        # the next iteration's loss; checkpoints check the weights themselves, below)
+        # the non-finite check every iteration (checkpoints check the weights themselves, below)
         if bool(nonfinite):
             utils.fail_diverged("non-finite loss", iteration, run_dir / "checkpoint.pt", writer, envs)
         if iteration % args.log_interval == 0 or iteration == args.num_iterations:
@@ -406,7 +400,7 @@ if __name__ == "__main__":
         if stop:
             break
 
-    # close: a stop saves where it is and says how to continue (unless the last iteration is done)
+    # close: a stop saves and says how to resume; an ended run saves model.pt
     if stop and iteration < args.num_iterations:
         save(iteration, global_step)
         print(utils.stopped_message(stop, global_step, run_dir / "checkpoint.pt"), flush=True)

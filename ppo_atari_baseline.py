@@ -102,13 +102,10 @@ def make_env(env_id, seed, life_loss_terminal):
         import ale_py
 
         if multiprocessing.parent_process() is not None:
-            # a worker process: Ctrl-C is for the main process, which stops the run cleanly
+            # a worker process: Ctrl-C is for the main process, which stops cleanly
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         gym.register_envs(ale_py)
-        # ALE v5 protocol (utils.ALE_V5): sticky actions 0.25, 108k frames at most. frameskip=1
-        # here because AtariPreprocessing skips 4 frames itself (with max-pooling): never skip
-        # twice. The game starts as ale-py's vector env starts it (FIRE for one frame, then
-        # noop frames), so this script and the native ones play the same game.
+        # the ALE v5 protocol (docs/protocol.md); frameskip=1, as AtariPreprocessing skips the frames
         env = gym.make(f"ALE/{utils.game_name(env_id)}-v5", frameskip=1, repeat_action_probability=0.25)
         env = utils.AleV5GameStart(env)
         env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=4, screen_size=84)
@@ -181,7 +178,7 @@ def gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
 
 def parse_args() -> Args:
     args = utils.cli(Args)  # tyro.cli, with its errors as one line
-    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir, video
+    utils.check_args(args)  # ranges, the game's name, --exp-name, --runs-dir, video
     args.batch_size = int(args.num_envs * args.num_steps)
     if args.batch_size % args.num_minibatches:
         raise utils.UsageError(
@@ -284,10 +281,10 @@ if __name__ == "__main__":
     if args.eval_checkpoint is not None:
         utils.evaluate_checkpoint(Agent, evaluated, args, device)
 
-    # log setup: a resumed run continues in its own directory and step count
+    # log setup: a resume continues in its run directory
     run_dir, writer, stop, start_iteration, global_step = utils.start_run(args, checkpoint)
 
-    # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
+    # env setup: envs cannot be checkpointed, so a resume reseeds them
     env_seed = args.seed + 1_000_003 * start_iteration
     env_fns = [make_env(args.env_id, env_seed + i, args.life_loss_terminal) for i in range(args.num_envs)]
     autoreset = gym.vector.AutoresetMode.SAME_STEP
@@ -422,7 +419,7 @@ if __name__ == "__main__":
         if stop:
             break
 
-    # close: a stop saves where it is and says how to continue (unless the last iteration is done)
+    # close: a stop saves and says how to resume; an ended run saves model.pt
     if stop and iteration < args.num_iterations:
         save(iteration, global_step)
         print(utils.stopped_message(stop, global_step, run_dir / "checkpoint.pt"), flush=True)

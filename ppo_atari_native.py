@@ -170,7 +170,7 @@ def gae(rewards, values, dones, gamma, gae_lambda):
 
 def parse_args() -> Args:
     args = utils.cli(Args)  # tyro.cli, with its errors as one line
-    utils.check_args(args)  # value ranges, the game (its canonical name), --exp-name, --runs-dir, video
+    utils.check_args(args)  # ranges, the game's name, --exp-name, --runs-dir, video
     if args.num_envs % args.num_gpu_batches:
         raise utils.UsageError(
             f"--num-envs {args.num_envs} is not divisible by --num-gpu-batches {args.num_gpu_batches}"
@@ -265,7 +265,7 @@ if __name__ == "__main__":
     try:
         args = parse_args()
         device = utils.resolve_device(args.device)
-        # any torchrun process, even a lone one, joins a process group: one GPU runs the NCCL path too
+        # any torchrun process joins a process group, even a lone one
         distributed = utils.under_torchrun() and args.eval_checkpoint is None
         if distributed:
             device = utils.torchrun_device(device)  # rank r on cuda:LOCAL_RANK
@@ -282,7 +282,7 @@ if __name__ == "__main__":
         utils.fail(str(e))
     dtype = utils.use_device(device, precision)  # fp32: no TF32 either, so rollout and learner agree
 
-    # torchrun: a process per GPU with its own envs; gradients averaged every minibatch; rank 0 logs
+    # torchrun: a process per GPU, each with its own envs; rank 0 logs
     rank, world_size, local_rank, local_world_size = 0, 1, 0, 1
     if distributed:
         rank, world_size, local_rank, local_world_size = utils.init_distributed(args.backend, device)
@@ -297,15 +297,14 @@ if __name__ == "__main__":
         print(utils.describe_run(args, device, "evaluation envs"), flush=True)
         utils.evaluate_checkpoint(Agent, evaluated, args, device)
 
-    # how this process steps its envs: C++ env threads per batch, and who serves the batches
+    # C++ env threads per env batch, and who serves the batches
     num_batches, batch = args.num_gpu_batches, args.num_envs // args.num_gpu_batches
     requested = 1 if args.driver == "sequential" else args.num_env_threads
     threads_per_batch, first_core = utils.env_threads(
         requested, device, num_batches, batch, local_rank, local_world_size
     )
     graphs = args.cuda_graphs and device.type == "cuda"
-    # the rollout's policy step: the fused kernels where the Agent is the network they mirror
-    # (checked on real frames), else the Agent's own forward; never another policy than the learner's
+    # the rollout's policy step: the fused kernels if they compute this Agent, else Agent.forward
     num_actions = utils.num_actions(args.env_id)  # the game's minimal action set, as the envs use it
     agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
     try:
@@ -316,10 +315,10 @@ if __name__ == "__main__":
         envs_text = utils.rollout_text(args, threads_per_batch, first_core, driver, graphs, policy)
         print(utils.describe_run(args, device, envs_text, precision, world_size), flush=True)
 
-    # log setup: a resumed run continues in its own directory and step count; only rank 0 logs
+    # log setup: a resume continues in its run directory; only rank 0 logs
     run_dir, writer, stop, start_iteration, global_step = utils.start_run(args, checkpoint, rank, distributed)
 
-    # env setup: envs cannot be checkpointed, so a resumed run reseeds them afresh
+    # env setup: envs cannot be checkpointed, so a resume reseeds them
     env_seed = args.seed + 1_000_003 * start_iteration + 10_007 * rank
     envs = utils.ThreadedAtariEnvs(
         args.env_id, args.num_envs, num_batches, sum(threads_per_batch), env_seed,
@@ -333,7 +332,7 @@ if __name__ == "__main__":
         optimizer.load_state_dict(checkpoint["optimizer"])
         optimizer.param_groups[0]["lr"] = args.learning_rate  # the command line's rate, not the saved one
         utils.set_rng_states(checkpoint["rng"], device)
-    if distributed:  # identical weights everywhere, then each rank samples its own actions
+    if distributed:  # rank 0's weights everywhere, each rank its own samples
         for tensor in agent.state_dict().values():
             dist.broadcast(tensor, src=0)
         torch.manual_seed(args.seed + 7_919 * rank + start_iteration)
@@ -349,8 +348,8 @@ if __name__ == "__main__":
         }  # fmt: skip
         utils.save_checkpoint(path, state)
 
-    # ALGO LOGIC: storage setup. Step T is the one after the horizon: obs[T] starts the next
-    # rollout (it becomes obs[0]) and values[T] bootstraps; dones[t] = 1 when obs[t] follows a terminal
+    # ALGO LOGIC: storage setup. Row T is the step after the horizon: obs[T] starts the next
+    # rollout and values[T] bootstraps. dones[t] = 1 when obs[t] follows a terminal.
     T, N = args.num_steps, args.num_envs
     obs = torch.zeros((T + 1, N, 4, 84, 84), dtype=torch.uint8, device=device)
     actions = torch.zeros((T + 1, N), dtype=torch.long, device=device)
@@ -359,15 +358,14 @@ if __name__ == "__main__":
     rewards = torch.zeros((T, N), device=device)
     dones = torch.zeros((T + 1, N), device=device)
 
-    # the rollout's machinery (utils.BatchedRollout): per env batch a stream, device buffers,
-    # pinned host buffers and an event; on CUDA each (step, batch)'s policy step captured as a CUDA graph
+    # the rollout (utils.BatchedRollout): per env batch a stream, buffers and CUDA graphs
     profiler = utils.Profiler(args.profile, run_dir, device)  # --profile: time per phase, a trace
     rollout = utils.BatchedRollout(
         envs, policy, obs=obs, actions=actions, logprobs=logprobs, values=values, rewards=rewards, dones=dones,
         driver=driver, cuda_graphs=graphs, profiler=profiler,
     )  # fmt: skip
 
-    # TRY NOT TO MODIFY: start the game (its first frames go to obs[T], which each rollout moves to step 0)
+    # TRY NOT TO MODIFY: start the game (its first frames go to obs[T])
     progress = utils.Progress(args.total_timesteps, global_step)
     rollout.start()
     iteration = start_iteration
@@ -380,15 +378,14 @@ if __name__ == "__main__":
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
 
-        # ALGO LOGIC: one rollout of T steps into the storage (utils.BatchedRollout.collect)
+        # ALGO LOGIC: the rollout, T steps into the storage
         rollout_start = time.perf_counter()
-        # a stop abandons the rollout (the checkpoint is the last full iteration); under torchrun
-        # the ranks stay in lockstep: they stop after the update
+        # a stop abandons the rollout; under torchrun the ranks stop together, after the update
         if not rollout.collect(should_stop=lambda: stop and not distributed):
             iteration = iteration - 1
             break
         progress.rollout_time += time.perf_counter() - rollout_start
-        # each game is logged at the step where it ended, as the baseline logs it
+        # a game is logged at the step where it ended
         for _, episodic_return, episodic_length, step in envs.pop_finished():
             progress.recent_returns.append(episodic_return)
             writer.add_scalar("charts/episodic_return", episodic_return, global_step + step * N * world_size)
@@ -408,18 +405,18 @@ if __name__ == "__main__":
             b_returns = returns.reshape(-1)
             b_values = values[:T].reshape(-1)
 
-            # ALGO LOGIC: optimizing the policy and value network (update, above); statistics stay on the device
+            # ALGO LOGIC: optimizing the policy and value network (update, above)
             stats, nonfinite = update(
                 agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values,
                 args, dtype, world_size,
             )  # fmt: skip
-            if args.update_epochs > 0:  # and the next rollout must not start from non-finite outputs
+            if args.update_epochs > 0:  # nor may the next rollout sample from non-finite outputs
                 nonfinite |= utils.nonfinite_policy(agent, obs[T])
 
         if distributed:  # every rank stops, or diverges, together
             nonfinite = utils.agree(stop, nonfinite, device)
 
-        # TRY NOT TO MODIFY: record losses for plotting purposes (one sync per iteration)
+        # TRY NOT TO MODIFY: record losses for plotting purposes (one sync)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
         if args.update_epochs > 0:
             if bool(nonfinite):
@@ -449,7 +446,7 @@ if __name__ == "__main__":
         if stop:
             break
 
-    # close: a stop saves where it is and says how to continue (unless the last iteration is done)
+    # close: a stop saves and says how to resume; an ended run saves model.pt
     if stop and iteration < args.num_iterations:
         save(iteration, global_step)
         if rank == 0:

@@ -1,6 +1,7 @@
-"""What the Atari scripts share: threaded env stepping and CUDA stream batching (the native
-rollout), and the conventions every script follows (flags, run directories, checkpoints,
-stops, evaluation). The design is written in docs/rollout.md and docs/protocol.md.
+"""What the Atari scripts share. First the native rollout: threaded env stepping and CUDA stream
+batching. Then the conventions every script follows: flags, torchrun, run directories and logs,
+checkpoints and stops, the ALE v5 protocol in gymnasium, evaluation, profiling.
+The design is written in docs/rollout.md and docs/protocol.md.
 """
 
 import contextlib
@@ -32,766 +33,6 @@ ALE_V5 = dict(
     frameskip=4, repeat_action_probability=0.25, noop_max=30, use_fire_reset=True,
     max_num_frames_per_episode=108_000, reward_clipping=False, autoreset_mode="SameStep",
 )  # fmt: skip
-
-
-class AleV5GameStart(gym.Wrapper):
-    """ale-py's vector-env game start for a gymnasium ALE env made with frameskip=1: FIRE for
-    one frame where the game has it, then max(0, U{0..29} - 1) noop frames."""
-
-    def __init__(self, env, noop_max=ALE_V5["noop_max"]):
-        super().__init__(env)
-        self.noop_max = noop_max
-        self.fire = "FIRE" in env.unwrapped.get_action_meanings()
-
-    def reset(self, **kwargs):
-        obs, info = self.env.reset(**kwargs)
-        if self.fire:
-            obs, _, _, _, info = self.env.step(1)
-        noops = int(self.env.unwrapped.np_random.integers(0, self.noop_max)) - self.fire
-        for _ in range(noops):
-            obs, _, terminated, truncated, info = self.env.step(0)
-            if terminated or truncated:
-                obs, info = self.env.reset()
-        return obs, info
-
-
-class LifeLossTerminal(gym.Wrapper):
-    """A lost life is terminal for the learner while the game goes on, as ale-py's life_loss_info
-    does: the vector env's reset() after a lost life returns the last observation and takes no
-    step, so stacks and episode statistics run over the full game. A reset with a seed or
-    options always restarts the game."""
-
-    def __init__(self, env):
-        super().__init__(env)
-        self.lives = 0
-        self.game_over = True
-        self.last = None
-
-    def step(self, action):
-        obs, reward, terminated, truncated, info = self.env.step(action)
-        self.game_over = terminated or truncated
-        lives = self.env.unwrapped.ale.lives()
-        terminated = terminated or 0 < lives < self.lives
-        self.lives = lives
-        self.last = obs, info
-        return obs, reward, terminated, truncated, info
-
-    def reset(self, *, seed=None, options=None):
-        if not self.game_over and seed is None and options is None:
-            return self.last
-        self.game_over = False
-        obs, info = self.env.reset(seed=seed, options=options)
-        self.lives = self.env.unwrapped.ale.lives()
-        return obs, info
-
-
-# ----------------------------------------------------------------------------- conventions
-class UsageError(Exception):
-    """Bad input from the user: one line on stderr, exit code 2."""
-
-
-def fail(message: str, code: int = 2):
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(code)
-
-
-_GAMES = None
-DEFAULT_ENV_ID = "Breakout-v5"
-
-
-def atari_games() -> dict:
-    """ale-py's v5 games: 'mspacman' -> ('MsPacman', ROM id 'ms_pacman')."""
-    global _GAMES
-    if _GAMES is None:
-        import ale_py
-        from ale_py import roms
-
-        gym.register_envs(ale_py)
-        names = [key[4:-3] for key in gym.envs.registry if key.startswith("ALE/") and key.endswith("-v5")]
-        rom_ids = {rom.replace("_", ""): rom for rom in roms.get_all_rom_ids()}
-        _GAMES = {name.lower(): (name, rom_ids[name.lower()]) for name in names if name.lower() in rom_ids}
-    return _GAMES
-
-
-def canonical_env_id(env_id: str) -> str:
-    """'breakout-v5', 'ALE/Breakout-v5' -> 'Breakout-v5'; an unknown game fails with close matches."""
-    match = re.fullmatch(r"(?:ALE/)?([A-Za-z0-9_]+)-v5", env_id)
-    if match is None:
-        raise UsageError(f"--env-id {env_id!r}: expected a name like Breakout-v5 or ALE/Breakout-v5")
-    games = atari_games()
-    key = match.group(1).lower().replace("_", "")
-    if key not in games:
-        names = [name for name, _ in games.values()]
-        close = difflib.get_close_matches(match.group(1), names, n=3, cutoff=0.6)
-        hint = f"; did you mean {', '.join(c + '-v5' for c in close)}?" if close else ""
-        raise UsageError(f"--env-id {env_id!r}: unknown Atari game {match.group(1)!r}{hint}")
-    return f"{games[key][0]}-v5"
-
-
-def game_name(env_id: str) -> str:
-    return canonical_env_id(env_id).removesuffix("-v5")
-
-
-def rom_id(env_id: str) -> str:
-    return atari_games()[game_name(env_id).lower()][1]
-
-
-def num_actions(env_id: str) -> int:
-    """The size of the game's minimal action set (what the envs use), read from the ROM."""
-    from ale_py import ALEInterface, LoggerMode, roms
-
-    ALEInterface.setLoggerMode(LoggerMode.Error)
-    ale = ALEInterface()
-    ale.loadROM(roms.get_rom_path(rom_id(env_id)))
-    return len(ale.getMinimalActionSet())
-
-
-def cli(args_class):
-    """tyro.cli(args_class), its multi-line error box turned into one line and exit code 2."""
-    import io
-
-    import tyro
-
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
-            return tyro.cli(args_class)
-    except SystemExit as e:
-        text = captured.getvalue()
-        if e.code in (0, None):  # --help
-            print(text, end="")
-            raise
-        # tyro's box: a title, a rule (in a terminal, none), the message wrapped over lines up
-        # to the next rule, then for a misspelled flag what was meant
-        lines = [line.strip(" │╭╮╰╯\t") for line in text.splitlines() if line.strip() and not line.startswith("usage:")]
-        body = lines[1:]
-        while body and not body[0].strip("-─"):
-            body.pop(0)
-        message = []
-        for line in body:
-            if not line.strip("-─") or line.startswith("For full helptext"):
-                break
-            message.append(line)
-        message = " ".join(message) or "could not parse the command line"
-        if "Perhaps you meant:" in lines and lines.index("Perhaps you meant:") + 1 < len(lines):
-            message += f"; perhaps you meant {lines[lines.index('Perhaps you meant:') + 1].split()[0]}"
-        fail(f"{message} (see --help)")
-
-
-def resolve_device(spec: str) -> torch.device:
-    """auto: CUDA when present, else CPU. A CUDA device comes back with its index."""
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "cpu"
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", spec):
-        raise UsageError(f"--device {spec!r}: expected auto, cpu, cuda or cuda:N")
-    device = torch.device(spec)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"--device {spec}: CUDA is not available on this machine")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if device.index >= torch.cuda.device_count():
-            raise UsageError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s)")
-    return device
-
-
-# every numeric flag's valid range (its --help says it too): flag -> (what it must be, test)
-RANGES = {
-    "seed": ("an integer in [0, 2**32 - 1]", lambda v: 0 <= v < 2**32),
-    "total_timesteps": ("at least 1", lambda v: v >= 1),
-    "num_envs": ("at least 1", lambda v: v >= 1),
-    "num_steps": ("at least 1", lambda v: v >= 1),
-    "num_minibatches": ("at least 1", lambda v: v >= 1),
-    "update_epochs": ("at least 0", lambda v: v >= 0),
-    "num_gpu_batches": ("at least 1", lambda v: v >= 1),
-    "num_env_threads": ("at least 1 (or unset)", lambda v: v is None or v >= 1),
-    "save_interval": ("at least 1", lambda v: v >= 1),
-    "log_interval": ("at least 1", lambda v: v >= 1),
-    "eval_episodes": ("at least 1", lambda v: v >= 1),
-    "learning_rate": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
-    "gamma": ("in [0, 1]", lambda v: 0 <= v <= 1),
-    "gae_lambda": ("in [0, 1]", lambda v: 0 <= v <= 1),
-    "clip_coef": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
-    "ent_coef": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
-    "vf_coef": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
-    "max_grad_norm": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
-    "target_kl": ("finite and > 0 (or unset)", lambda v: v is None or (math.isfinite(v) and v > 0)),
-    "rms_alpha": ("in [0, 1)", lambda v: 0 <= v < 1),
-    "rms_eps": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
-}
-
-
-def check_args(args):
-    """What every script checks of its flags before anything starts: numeric ranges, the game
-    (its canonical name from here on), the experiment name and the runs directory."""
-    for name, (text, ok) in RANGES.items():
-        if hasattr(args, name) and not ok(getattr(args, name)):
-            raise UsageError(f"--{name.replace('_', '-')} must be {text}, got {getattr(args, name)}")
-    if args.env_id is None and args.eval_checkpoint is None:  # evaluation: the checkpoint's game
-        args.env_id = DEFAULT_ENV_ID
-    if args.env_id is not None:
-        args.env_id = canonical_env_id(args.env_id)
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*", args.exp_name) or ".." in args.exp_name:
-        raise UsageError(f"--exp-name {args.exp_name!r}: a name (letters, digits, _ . + = -), not a path")
-    check_runs_dir(args.runs_dir)
-    check_capture_video(args.capture_video, args.eval_checkpoint)
-
-
-def check_runs_dir(runs_dir):
-    """--runs-dir is a directory, or its nearest existing ancestor is a writable one."""
-    path = Path(runs_dir).absolute()
-    existing = next(p for p in [path, *path.parents] if p.exists())
-    if not existing.is_dir():
-        raise UsageError(f"--runs-dir {str(runs_dir)!r}: {str(existing)!r} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--runs-dir {str(runs_dir)!r}: {str(existing)!r} is not writable")
-
-
-def check_capture_video(capture_video: bool, eval_checkpoint):
-    if not capture_video:
-        return
-    if eval_checkpoint is None:
-        raise UsageError("--capture-video records evaluation games: use it with --eval-checkpoint")
-    import importlib.util
-
-    if importlib.util.find_spec("moviepy") is None:
-        raise UsageError("--capture-video needs moviepy: pip install moviepy")
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def torchrun_device(device: torch.device) -> torch.device:
-    """Under torchrun on CUDA, cuda:LOCAL_RANK (one GPU per process); else the CPU."""
-    if device.type != "cuda":
-        return device
-    local_world_size, count = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
-    if local_world_size > count:
-        raise UsageError(
-            f"torchrun started {local_world_size} processes on this machine, which has {count} GPU(s): "
-            f"use --nproc-per-node {count}, or --device cpu"
-        )
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def init_distributed(backend, device: torch.device):
-    """Join torchrun's process group (nccl on CUDA, gloo on CPU, unless `backend` says);
-    returns (rank, world size, local rank, local world size)."""
-    import torch._dynamo  # noqa: F401  (imported after the group exists, it keeps gloo's threads alive at exit)
-    import torch.distributed as dist
-
-    dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"))
-    local = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    return dist.get_rank(), dist.get_world_size(), *local
-
-
-def all_reduce_gradients(parameters, world_size):
-    """Average the gradients over the ranks: one all-reduce of one flat buffer."""
-    import torch.distributed as dist
-
-    grads = [p.grad for p in parameters]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world_size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def agree(stop, nonfinite, device: torch.device):
-    """Under torchrun, every rank stops, or diverges, when any rank does; returns `nonfinite`."""
-    import torch.distributed as dist
-
-    flags = torch.stack([torch.tensor(float(bool(stop)), device=device), nonfinite.float()])
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    if flags[0] > 0 and not stop:
-        stop.received = "a signal on another rank"
-    return flags[1] > 0
-
-
-def finish_distributed(agent, rank: int, world_size: int):
-    """Say whether every rank ends with rank 0's weights (a silent desync would not), and leave."""
-    import torch.distributed as dist
-
-    flat = torch.cat([p.detach().reshape(-1) for p in agent.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(gathered, flat)
-    if rank == 0:
-        identical = all(torch.equal(g, gathered[0]) for g in gathered)
-        print(f"weights identical on all {world_size} ranks: {identical}", flush=True)
-    dist.destroy_process_group()
-
-
-class NoWriter:
-    """What ranks other than 0 log to: nothing."""
-
-    def add_scalar(self, *args, **kwargs):
-        pass
-
-    add_text = close = add_scalar
-
-
-def start_run(args, checkpoint, rank=0, distributed=False):
-    """Log setup: (run directory, TensorBoard writer, stop signal, start iteration, global step).
-    A resumed run continues in its own directory; a new one gets a directory no other run
-    writes to. Under torchrun only rank 0 logs, and every rank names rank 0's directory."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    if checkpoint is not None:
-        run_dir = checkpoint_path(args.resume).parent
-        start_iteration, global_step = checkpoint["iteration"], checkpoint["global_step"]
-    else:
-        run_dir = make_run_dir(args) if rank == 0 else None
-        start_iteration, global_step = 0, 0
-        if distributed:
-            import torch.distributed as dist
-
-            names = [run_dir.name if rank == 0 else None]
-            dist.broadcast_object_list(names, src=0)
-            run_dir = Path(args.runs_dir) / names[0]
-    writer = NoWriter()
-    if rank == 0:
-        # purge_step drops the events a crashed run wrote after its last checkpoint
-        writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
-        if checkpoint is None:
-            rows = "\n".join(f"|{key}|{value}|" for key, value in sorted(vars(args).items()))
-            writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
-    return run_dir, writer, StopSignal(run_dir / "checkpoint.pt"), start_iteration, global_step
-
-
-def make_run_dir(args) -> Path:
-    """runs/{Game}-v5__{exp_name}__{seed}__{unix_time}, made exclusively: a second run started
-    in the same second gets the suffix -2 (then -3, ...)."""
-    name = f"{canonical_env_id(args.env_id)}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    base = Path(args.runs_dir) / name
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for attempt in range(1, 1000):
-        run_dir = base if attempt == 1 else base.with_name(f"{name}-{attempt}")
-        try:
-            run_dir.mkdir()  # exclusive: fails if another run made it first
-            return run_dir
-        except FileExistsError:
-            continue
-    raise UsageError(f"could not create a new run directory next to {base}")
-
-
-def describe_run(args, device: torch.device, envs: str, precision: str = "fp32", world_size: int = 1) -> str:
-    """The first line of every run: where it runs and what it will do."""
-    if device.type == "cuda":
-        where = f"{torch.cuda.get_device_name(device)} ({device})"
-    else:
-        where = "cpu (no CUDA found)" if not torch.cuda.is_available() else "cpu"
-    if args.eval_checkpoint is not None:
-        what = f"evaluating {args.eval_checkpoint} on {args.env_id} for {args.eval_episodes} games"
-    else:
-        batch = args.batch_size * world_size
-        steps = args.num_iterations * batch
-        iterations = f"{args.num_iterations:,} iteration{'s' if args.num_iterations != 1 else ''}"
-        what = f"{args.env_id}, {iterations} of {batch:,} steps = {steps:,} agent steps"
-    return f"{where}, {precision}, {envs}; {what}"
-
-
-def rollout_text(args, threads_per_batch, first_core, driver, graphs, policy) -> str:
-    """The first line's account of a native rollout: envs, threads, driver, graphs, policy step."""
-    text = f"{args.num_envs} envs x {args.num_gpu_batches} batches, {threads_text(threads_per_batch)}"
-    text += " pinned" if first_core is not None else ""
-    text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}, policy {policy.name}"
-    return text + (f" ({policy.reason})" if policy.reason else "")
-
-
-class Progress:
-    """One line per iteration, from host-side numbers only (no GPU sync)."""
-
-    def __init__(self, total_steps: int, start_step: int):
-        self.total_steps = total_steps
-        self.start_step = start_step
-        self.start_time = time.time()
-        self.recent_returns = deque(maxlen=20)
-        self.rollout_time = 0.0  # seconds spent collecting, added up by the scripts
-
-    def sps(self, global_step: int) -> int:
-        return int((global_step - self.start_step) / max(time.time() - self.start_time, 1e-9))
-
-    def line(self, iteration: int, num_iterations: int, global_step: int) -> str:
-        sps = self.sps(global_step)
-        seconds = int((self.total_steps - global_step) / max(sps, 1))
-        hours, rest = divmod(seconds, 3600)
-        eta = f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
-        ret = f"{np.mean(self.recent_returns):.1f}" if self.recent_returns else "-"
-        rollout = f" (rollout {int((global_step - self.start_step) / self.rollout_time)})" if self.rollout_time else ""
-        return (
-            f"iter {iteration}/{num_iterations}  step {global_step:,}/{self.total_steps:,}  "
-            f"SPS: {sps}{rollout}  ETA {eta}  return {ret} (last {len(self.recent_returns)} games)"
-        )
-
-
-# ----------------------------------------------------------------------------- reliability
-def save_checkpoint(path, state: dict):
-    """Write atomically (temp file, fsync, rename): a crash mid-write leaves the old file whole."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # a full disk, a second Ctrl-C: leave no half-written temp file
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-# what every checkpoint holds, and what a resumable one adds: key -> type (plain data only,
-# so that torch.load(weights_only=True) reads it without running code)
-CHECKPOINT_KEYS = {"script": str, "env_id": str, "num_actions": int, "model": dict}
-RESUME_KEYS = {"args": dict, "optimizer": dict, "iteration": int, "global_step": int, "rng": dict}
-
-
-def checkpoint_path(path) -> Path:
-    """A checkpoint file, or a run directory meaning its checkpoint.pt."""
-    path = Path(path)
-    return path / "checkpoint.pt" if path.is_dir() else path
-
-
-def load_checkpoint(path, script: str, env_id: str | None = None, make_agent=None, resume=False) -> dict:
-    """Load a checkpoint of `script` without running code from it; refuse with one line a
-    missing, corrupt or foreign file, another script's or game's, missing keys, weights that
-    do not fit make_agent(num_actions), and (resume=True) optimizer or RNG states that do not fit."""
-    path = checkpoint_path(path)
-    name = repr(str(path))
-    if not path.is_file():
-        raise UsageError(f"checkpoint {name} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        # a global outside plain data names code it would have run; anything else is no pickle
-        found = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", str(e))
-        if found is None:
-            raise UsageError(f"checkpoint {name} is corrupt or unreadable ({type(e).__name__})")
-        what = found.group(1) or found.group(2)
-        raise UsageError(f"checkpoint {name} holds more than plain data ({what}): refused, loading it could run code")
-    except Exception as e:  # a truncated or foreign file
-        raise UsageError(f"checkpoint {name} is corrupt or unreadable ({type(e).__name__})")
-    if not isinstance(state, dict) or not {"model", "script", "env_id"} <= state.keys():
-        raise UsageError(f"checkpoint {name} was not written by these scripts")
-    if state["script"] != script:
-        raise UsageError(f"checkpoint {name} is from {state['script']}, not {script}")
-    if env_id is not None and game_name(state["env_id"]) != game_name(env_id):
-        raise UsageError(f"checkpoint {name} is for {state['env_id']}, not {env_id}")
-    for key, kind in (CHECKPOINT_KEYS | (RESUME_KEYS if resume else {})).items():
-        if not isinstance(state.get(key), kind) or (kind is int and isinstance(state[key], bool)):
-            got = "missing" if key not in state else f"a {type(state[key]).__name__}"
-            raise UsageError(f"checkpoint {name} is not a complete checkpoint of {script}: {key!r} is {got}")
-    agent = None
-    if make_agent is not None:
-        actions = num_actions(state["env_id"])
-        if state["num_actions"] != actions:
-            game = game_name(state["env_id"])
-            raise UsageError(f"checkpoint {name} has {state['num_actions']} actions, {game} has {actions}")
-        agent = make_agent(actions)
-        try:
-            agent.load_state_dict(state["model"])
-        except (RuntimeError, TypeError, ValueError, AttributeError) as e:
-            first = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
-            game = game_name(state["env_id"])
-            raise UsageError(f"checkpoint {name}: its weights do not fit the network for {game} ({first})")
-    if resume:
-        check_optimizer_state(state["optimizer"], list(agent.parameters()) if agent is not None else None, name)
-        try:  # restore them into throwaway generators: what set_rng_states will do
-            random.Random().setstate(tuple(state["rng"]["python"]))
-            np.random.RandomState().set_state(numpy_rng_state(state["rng"]["numpy"]))
-            torch.Generator().set_state(state["rng"]["torch"])
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise UsageError(f"checkpoint {name}: its RNG states cannot be restored ({type(e).__name__})")
-    return state
-
-
-def check_optimizer_state(optimizer_state: dict, parameters, name):
-    """Per parameter, every saved tensor is a scalar or has its shape (load_state_dict would not notice)."""
-    groups = optimizer_state.get("param_groups")
-    if not isinstance(optimizer_state.get("state"), dict) or not isinstance(groups, list):
-        raise UsageError(f"checkpoint {name}: its optimizer state is not an optimizer's")
-    if parameters is None:
-        return
-    if sum(len(group.get("params", [])) for group in groups) != len(parameters):
-        raise UsageError(f"checkpoint {name}: its optimizer state is for another network")
-    for index, values in optimizer_state["state"].items():
-        if not isinstance(index, int) or not 0 <= index < len(parameters) or not isinstance(values, dict):
-            raise UsageError(f"checkpoint {name}: its optimizer state is for another network")
-        for value in values.values():
-            if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != parameters[index].shape:
-                raise UsageError(f"checkpoint {name}: its optimizer state is for another network")
-
-
-def check_resume_args(checkpoint: dict, args, names=("num_envs", "num_steps", "total_timesteps")):
-    """A resumed run keeps what maps iterations to steps and sets the LR schedule; a finished one cannot resume."""
-    saved = checkpoint.get("args", {})
-    for name in names:
-        if name in saved and saved[name] != getattr(args, name):
-            flag, value = f"--{name.replace('_', '-')}", getattr(args, name)
-            raise UsageError(f"{flag} {value} differs from the checkpoint's {saved[name]}: resume with the same value")
-    if checkpoint["iteration"] >= args.num_iterations:
-        steps = checkpoint["global_step"]
-        raise UsageError(f"checkpoint {str(args.resume)!r} ends a finished run ({steps:,} steps): nothing to resume")
-
-
-def rng_states(device: torch.device) -> dict:
-    """Python's, numpy's, torch's and this device's RNG states, as plain data."""
-    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
-    states = {
-        "python": random.getstate(),
-        "numpy": [name, keys.tolist(), position, has_gauss, cached_gaussian],
-        "torch": torch.get_rng_state(),
-    }
-    if device.type == "cuda":  # only this run's device: a machine with fewer GPUs can resume it
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
-
-
-def numpy_rng_state(saved):
-    name, keys, *rest = saved
-    return (name, np.asarray(keys, dtype=np.uint32), *rest)
-
-
-def set_rng_states(states: dict, device: torch.device):
-    random.setstate(tuple(states["python"]))
-    np.random.set_state(numpy_rng_state(states["numpy"]))
-    torch.set_rng_state(states["torch"])
-    cuda = states.get("cuda")
-    if device.type == "cuda" and cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
-
-
-class StopSignal:
-    """SIGINT/SIGTERM set a flag the train loop checks; a second SIGINT stops at once."""
-
-    def __init__(self, checkpoint_path):
-        self.received = None
-        self.checkpoint_path = Path(checkpoint_path)
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT:
-            import multiprocessing
-
-            for child in multiprocessing.active_children():  # the baseline's env workers, which
-                child.kill()  # inherited this handler: SIGTERM would only set their flag
-            last = self.checkpoint_path if self.checkpoint_path.is_file() else "none written yet"
-            print(f"stopped at once by a second SIGINT; last checkpoint: {last}", file=sys.stderr, flush=True)
-            os._exit(130)
-        self.received = signal.Signals(signum).name
-
-    def __bool__(self):
-        return self.received is not None
-
-
-def stopped_message(stop, global_step, checkpoint_path) -> str:
-    """One line saying how to continue: the same command with --resume."""
-    argv, skip = [], False
-    for arg in sys.argv[1:]:  # drop an earlier --resume
-        if skip or arg == "--resume" or arg.startswith("--resume="):
-            skip = arg == "--resume"
-            continue
-        argv.append(arg)
-    command = shlex.join(["python", Path(sys.argv[0]).name, *argv, "--resume", str(checkpoint_path)])
-    return f"stopped by {stop.received} at step {global_step:,}; resume with: {command}"
-
-
-def all_finite(module: torch.nn.Module) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in module.parameters())
-
-
-@torch.no_grad()
-def nonfinite_policy(agent, obs) -> torch.Tensor:
-    """A device bool, not synced: are any weights, or the policy's outputs on `obs`, non-finite?
-    (The next rollout would sample from them, and a checkpoint keep them.)"""
-    actions = torch.zeros(obs.shape[0], dtype=torch.long, device=obs.device)
-    _, logprob, entropy, value = agent.get_action_and_value(obs, actions)
-    weights = torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
-    return ~(weights & torch.isfinite(torch.cat([logprob, entropy, value.view(-1)])).all())
-
-
-def fail_diverged(what: str, iteration: int, checkpoint_path, *to_close):
-    """Training went non-finite: flush the logs, name the last good checkpoint, exit 1."""
-    for resource in to_close:
-        resource.close()
-    if Path(checkpoint_path).is_file():
-        last = f"the last good checkpoint is {checkpoint_path}"
-    else:
-        last = "no checkpoint was written yet"
-    fail(f"{what} at iteration {iteration}; {last}", code=1)
-
-
-# ----------------------------------------------------------------------------- evaluation
-def evaluate_checkpoint(make_agent, evaluated, args, device):
-    """--eval-checkpoint: play its games, print the mean, std and human-normalized score, exit."""
-    agent = make_agent(evaluated["num_actions"]).to(device)
-    agent.load_state_dict(evaluated["model"])
-    act = lambda obs: agent.get_action_and_value(obs)[0]  # noqa: E731
-    video_dir = Path(args.eval_checkpoint).parent / "videos"
-    try:
-        returns = evaluate(args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir)
-    except UsageError as e:
-        fail(str(e))
-    mean, std = float(np.mean(returns)), float(np.std(returns))
-    hns = human_normalized(game_name(args.env_id), mean)
-    hns_text = f"{hns:.3f}" if hns is not None else "n/a (no human score for this game)"
-    print(
-        f"evaluation {args.env_id}: {len(returns)} games  mean {mean:.2f}  std {std:.2f}  human-normalized {hns_text}"
-    )
-    sys.exit(0)
-
-
-def human_normalized(game: str, score: float) -> float | None:
-    with open(SCORES_CSV) as f:
-        for row in csv.DictReader(f):
-            if row["game"] == game and row["human"]:
-                random_score, human = float(row["random"]), float(row["human"])
-                return (score - random_score) / (human - random_score)
-    return None
-
-
-def evaluate(env_id, act, episodes, seed, device, capture_video=False, video_dir=None):
-    """The full-game, unclipped returns of `episodes` games played by act(uint8 [n, 4, 84, 84]) -> [n]."""
-    if capture_video:
-        return evaluate_with_video(env_id, act, episodes, seed, device, video_dir)
-    from ale_py.vector_env import AtariVectorEnv
-
-    num_envs = min(episodes, 8)
-    envs = AtariVectorEnv(
-        rom_id(env_id), num_envs, **ALE_V5, stack_num=STACK, num_threads=min(num_envs, os.cpu_count())
-    )
-    obs, info = seeded_reset(envs, seed)
-    returns, current = [], np.zeros(num_envs)
-    started = np.zeros(num_envs, dtype=np.int64) + 1  # how many games each env has begun
-    quota = np.array([episodes // num_envs + (i < episodes % num_envs) for i in range(num_envs)])
-    frame_number = info["episode_frame_number"].copy()
-    while len(returns) < episodes:
-        with torch.no_grad():
-            actions = act(torch.from_numpy(obs).to(device)).cpu().numpy()
-        obs, reward, terminated, truncated, info = envs.step(actions)
-        current += reward
-        game_over = truncated | (terminated & (info["episode_frame_number"] < frame_number))
-        frame_number = info["episode_frame_number"].copy()
-        for i in np.flatnonzero(game_over):
-            if started[i] <= quota[i]:  # games begun beyond the quota are not counted
-                returns.append(float(current[i]))
-            started[i] += 1
-            current[i] = 0
-    envs.close()
-    return returns
-
-
-def evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
-    """evaluate, one game at a time through gymnasium's pipeline, which can render and record."""
-    try:
-        import moviepy  # noqa: F401  (gymnasium's RecordVideo needs it)
-    except ImportError:
-        raise UsageError("--capture-video needs moviepy: pip install moviepy")
-    import ale_py
-
-    gym.register_envs(ale_py)
-    env = gym.make(f"ALE/{game_name(env_id)}-v5", frameskip=1, render_mode="rgb_array")
-    env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda e: True)
-    env = AleV5GameStart(env)
-    env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=4, screen_size=84)
-    env = gym.wrappers.FrameStackObservation(env, STACK, padding_type="zero")
-    returns = []
-    for episode in range(episodes):
-        obs, _ = env.reset(seed=seed + episode)
-        done, total = False, 0.0
-        while not done:
-            with torch.no_grad():
-                action = act(torch.from_numpy(np.asarray(obs)[None]).to(device))
-            obs, reward, terminated, truncated, _ = env.step(int(action[0]))
-            total += reward
-            done = terminated or truncated
-        returns.append(total)
-    env.close()
-    return returns
-
-
-# ----------------------------------------------------------------------------- profiling
-class Profiler:
-    """--profile: torch.profiler over the first iterations after one of warm-up (trace.json, for
-    Perfetto), then a table of time per rollout phase. Free when off; never syncs the device:
-    host phases are perf_counter spans, a batch-step's GPU time comes from events on its stream."""
-
-    def __init__(self, enabled: bool, run_dir=None, device=torch.device("cpu"), iterations=4):
-        self.enabled, self.cuda = enabled, enabled and device.type == "cuda"
-        self.totals, self.pending, self.lock = {}, [], threading.Lock()
-        self.iterations, self.null = iterations, contextlib.nullcontext()
-        if enabled:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            activities += [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
-            self.trace = str(Path(run_dir) / "trace.json")
-            schedule = torch.profiler.schedule(wait=1, warmup=0, active=iterations - 1, repeat=1)
-            self.torch_profiler = torch.profiler.profile(
-                activities=activities, schedule=schedule, on_trace_ready=self.save_trace
-            )
-            self.torch_profiler.start()
-
-    def save_trace(self, torch_profiler):
-        torch_profiler.export_chrome_trace(self.trace)
-        print(f"profiler trace: {self.trace} (open in https://ui.perfetto.dev)", flush=True)
-
-    def __call__(self, name):
-        """Around a host phase: its wall time, added to `name`."""
-        return self._phase(name) if self.enabled else self.null
-
-    @contextlib.contextmanager
-    def _phase(self, name):
-        start = time.perf_counter()
-        yield
-        self.add(name, time.perf_counter() - start)
-
-    def add(self, name, seconds):
-        with self.lock:
-            self.totals[name] = self.totals.get(name, 0.0) + seconds
-
-    def gpu(self, stream):
-        """Around the device work of one batch-step: its GPU time, from events on its stream."""
-        return self._gpu(stream) if self.cuda else self.null
-
-    @contextlib.contextmanager
-    def _gpu(self, stream):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        yield
-        end.record(stream)
-        with self.lock:
-            self.pending.append((start, end))
-
-    def step(self, last=False):
-        """After each iteration (its rollout waited for): read its GPU times; at the end, the table."""
-        if not self.enabled:
-            return
-        pending, self.pending = self.pending, []
-        if pending:
-            self.add("GPU: batch-steps", sum(start.elapsed_time(end) for start, end in pending) / 1000)
-        self.torch_profiler.step()
-        self.iterations -= 1
-        if self.iterations == 0 or last:
-            self.torch_profiler.stop()
-            self.enabled = self.cuda = False
-            print(self.table(), flush=True)
-
-    def table(self) -> str:
-        host = {k: v for k, v in self.totals.items() if not k.startswith("GPU:")}
-        total = sum(host.values()) or 1.0
-        lines = [f"{'phase':<22}{'seconds':>10}{'share':>8}"]
-        for name, seconds in sorted(self.totals.items(), key=lambda kv: (kv[0] not in host, -kv[1])):
-            share = f"{seconds / total:>8.1%}" if name in host else f"{'':>8}"
-            lines.append(f"{name:<22}{seconds:>10.3f}{share}")
-        return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- threaded envs
@@ -1233,3 +474,769 @@ def use_device(device: torch.device, precision: str) -> torch.dtype:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+# ----------------------------------------------------------------------------- games and flags
+class UsageError(Exception):
+    """Bad input from the user: one line on stderr, exit code 2."""
+
+
+def fail(message: str, code: int = 2):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+_GAMES = None
+DEFAULT_ENV_ID = "Breakout-v5"
+
+
+def atari_games() -> dict:
+    """ale-py's v5 games: 'mspacman' -> ('MsPacman', ROM id 'ms_pacman')."""
+    global _GAMES
+    if _GAMES is None:
+        import ale_py
+        from ale_py import roms
+
+        gym.register_envs(ale_py)
+        names = [key[4:-3] for key in gym.envs.registry if key.startswith("ALE/") and key.endswith("-v5")]
+        rom_ids = {rom.replace("_", ""): rom for rom in roms.get_all_rom_ids()}
+        _GAMES = {name.lower(): (name, rom_ids[name.lower()]) for name in names if name.lower() in rom_ids}
+    return _GAMES
+
+
+def canonical_env_id(env_id: str) -> str:
+    """'breakout-v5', 'ALE/Breakout-v5' -> 'Breakout-v5'; an unknown game fails with close matches."""
+    match = re.fullmatch(r"(?:ALE/)?([A-Za-z0-9_]+)-v5", env_id)
+    if match is None:
+        raise UsageError(f"--env-id {env_id!r}: expected a name like Breakout-v5 or ALE/Breakout-v5")
+    games = atari_games()
+    key = match.group(1).lower().replace("_", "")
+    if key not in games:
+        names = [name for name, _ in games.values()]
+        close = difflib.get_close_matches(match.group(1), names, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(c + '-v5' for c in close)}?" if close else ""
+        raise UsageError(f"--env-id {env_id!r}: unknown Atari game {match.group(1)!r}{hint}")
+    return f"{games[key][0]}-v5"
+
+
+def game_name(env_id: str) -> str:
+    return canonical_env_id(env_id).removesuffix("-v5")
+
+
+def rom_id(env_id: str) -> str:
+    return atari_games()[game_name(env_id).lower()][1]
+
+
+def num_actions(env_id: str) -> int:
+    """The size of the game's minimal action set (what the envs use), read from the ROM."""
+    from ale_py import ALEInterface, LoggerMode, roms
+
+    ALEInterface.setLoggerMode(LoggerMode.Error)
+    ale = ALEInterface()
+    ale.loadROM(roms.get_rom_path(rom_id(env_id)))
+    return len(ale.getMinimalActionSet())
+
+
+def cli(args_class):
+    """tyro.cli(args_class), its multi-line error box turned into one line and exit code 2."""
+    import io
+
+    import tyro
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+            return tyro.cli(args_class)
+    except SystemExit as e:
+        text = captured.getvalue()
+        if e.code in (0, None):  # --help
+            print(text, end="")
+            raise
+        # tyro's box: a title, a rule (in a terminal, none), the message wrapped over lines up
+        # to the next rule, then for a misspelled flag what was meant
+        lines = [line.strip(" │╭╮╰╯\t") for line in text.splitlines() if line.strip() and not line.startswith("usage:")]
+        body = lines[1:]
+        while body and not body[0].strip("-─"):
+            body.pop(0)
+        message = []
+        for line in body:
+            if not line.strip("-─") or line.startswith("For full helptext"):
+                break
+            message.append(line)
+        message = " ".join(message) or "could not parse the command line"
+        if "Perhaps you meant:" in lines and lines.index("Perhaps you meant:") + 1 < len(lines):
+            message += f"; perhaps you meant {lines[lines.index('Perhaps you meant:') + 1].split()[0]}"
+        fail(f"{message} (see --help)")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """auto: CUDA when present, else CPU. A CUDA device comes back with its index."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", spec):
+        raise UsageError(f"--device {spec!r}: expected auto, cpu, cuda or cuda:N")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {spec}: CUDA is not available on this machine")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+# every numeric flag's valid range (its --help says it too): flag -> (what it must be, test)
+RANGES = {
+    "seed": ("an integer in [0, 2**32 - 1]", lambda v: 0 <= v < 2**32),
+    "total_timesteps": ("at least 1", lambda v: v >= 1),
+    "num_envs": ("at least 1", lambda v: v >= 1),
+    "num_steps": ("at least 1", lambda v: v >= 1),
+    "num_minibatches": ("at least 1", lambda v: v >= 1),
+    "update_epochs": ("at least 0", lambda v: v >= 0),
+    "num_gpu_batches": ("at least 1", lambda v: v >= 1),
+    "num_env_threads": ("at least 1 (or unset)", lambda v: v is None or v >= 1),
+    "save_interval": ("at least 1", lambda v: v >= 1),
+    "log_interval": ("at least 1", lambda v: v >= 1),
+    "eval_episodes": ("at least 1", lambda v: v >= 1),
+    "learning_rate": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
+    "gamma": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "gae_lambda": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "clip_coef": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
+    "ent_coef": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
+    "vf_coef": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
+    "max_grad_norm": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
+    "target_kl": ("finite and > 0 (or unset)", lambda v: v is None or (math.isfinite(v) and v > 0)),
+    "rms_alpha": ("in [0, 1)", lambda v: 0 <= v < 1),
+    "rms_eps": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
+}
+
+
+def check_args(args):
+    """What every script checks of its flags before anything starts: numeric ranges, the game
+    (its canonical name from here on), the experiment name and the runs directory."""
+    for name, (text, ok) in RANGES.items():
+        if hasattr(args, name) and not ok(getattr(args, name)):
+            raise UsageError(f"--{name.replace('_', '-')} must be {text}, got {getattr(args, name)}")
+    if args.env_id is None and args.eval_checkpoint is None:  # evaluation: the checkpoint's game
+        args.env_id = DEFAULT_ENV_ID
+    if args.env_id is not None:
+        args.env_id = canonical_env_id(args.env_id)
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*", args.exp_name) or ".." in args.exp_name:
+        raise UsageError(f"--exp-name {args.exp_name!r}: a name (letters, digits, _ . + = -), not a path")
+    check_runs_dir(args.runs_dir)
+    check_capture_video(args.capture_video, args.eval_checkpoint)
+
+
+def check_runs_dir(runs_dir):
+    """--runs-dir is a directory, or its nearest existing ancestor is a writable one."""
+    path = Path(runs_dir).absolute()
+    existing = next(p for p in [path, *path.parents] if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"--runs-dir {str(runs_dir)!r}: {str(existing)!r} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--runs-dir {str(runs_dir)!r}: {str(existing)!r} is not writable")
+
+
+def check_capture_video(capture_video: bool, eval_checkpoint):
+    if not capture_video:
+        return
+    if eval_checkpoint is None:
+        raise UsageError("--capture-video records evaluation games: use it with --eval-checkpoint")
+    import importlib.util
+
+    if importlib.util.find_spec("moviepy") is None:
+        raise UsageError("--capture-video needs moviepy: pip install moviepy")
+
+
+# ----------------------------------------------------------------------------- torchrun
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def torchrun_device(device: torch.device) -> torch.device:
+    """Under torchrun on CUDA, cuda:LOCAL_RANK (one GPU per process); else the CPU."""
+    if device.type != "cuda":
+        return device
+    local_world_size, count = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if local_world_size > count:
+        raise UsageError(
+            f"torchrun started {local_world_size} processes on this machine, which has {count} GPU(s): "
+            f"use --nproc-per-node {count}, or --device cpu"
+        )
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def init_distributed(backend, device: torch.device):
+    """Join torchrun's process group (nccl on CUDA, gloo on CPU, unless `backend` says);
+    returns (rank, world size, local rank, local world size)."""
+    import torch._dynamo  # noqa: F401  (imported after the group exists, it keeps gloo's threads alive at exit)
+    import torch.distributed as dist
+
+    dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"))
+    local = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    return dist.get_rank(), dist.get_world_size(), *local
+
+
+def all_reduce_gradients(parameters, world_size):
+    """Average the gradients over the ranks: one all-reduce of one flat buffer."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in parameters]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world_size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def agree(stop, nonfinite, device: torch.device):
+    """Under torchrun, every rank stops, or diverges, when any rank does; returns `nonfinite`."""
+    import torch.distributed as dist
+
+    flags = torch.stack([torch.tensor(float(bool(stop)), device=device), nonfinite.float()])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags[0] > 0 and not stop:
+        stop.received = "a signal on another rank"
+    return flags[1] > 0
+
+
+def finish_distributed(agent, rank: int, world_size: int):
+    """Say whether every rank ends with rank 0's weights (a silent desync would not), and leave."""
+    import torch.distributed as dist
+
+    flat = torch.cat([p.detach().reshape(-1) for p in agent.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    if rank == 0:
+        identical = all(torch.equal(g, gathered[0]) for g in gathered)
+        print(f"weights identical on all {world_size} ranks: {identical}", flush=True)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- runs and logs
+class NoWriter:
+    """What ranks other than 0 log to: nothing."""
+
+    def add_scalar(self, *args, **kwargs):
+        pass
+
+    add_text = close = add_scalar
+
+
+def start_run(args, checkpoint, rank=0, distributed=False):
+    """Log setup: (run directory, TensorBoard writer, stop signal, start iteration, global step).
+    A resumed run continues in its own directory; a new one gets a directory no other run
+    writes to. Under torchrun only rank 0 logs, and every rank names rank 0's directory."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    if checkpoint is not None:
+        run_dir = checkpoint_path(args.resume).parent
+        start_iteration, global_step = checkpoint["iteration"], checkpoint["global_step"]
+    else:
+        run_dir = make_run_dir(args) if rank == 0 else None
+        start_iteration, global_step = 0, 0
+        if distributed:
+            import torch.distributed as dist
+
+            names = [run_dir.name if rank == 0 else None]
+            dist.broadcast_object_list(names, src=0)
+            run_dir = Path(args.runs_dir) / names[0]
+    writer = NoWriter()
+    if rank == 0:
+        # purge_step drops the events a crashed run wrote after its last checkpoint
+        writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
+        if checkpoint is None:
+            rows = "\n".join(f"|{key}|{value}|" for key, value in sorted(vars(args).items()))
+            writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{rows}")
+    return run_dir, writer, StopSignal(run_dir / "checkpoint.pt"), start_iteration, global_step
+
+
+def make_run_dir(args) -> Path:
+    """runs/{Game}-v5__{exp_name}__{seed}__{unix_time}, made exclusively: a second run started
+    in the same second gets the suffix -2 (then -3, ...)."""
+    name = f"{canonical_env_id(args.env_id)}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    base = Path(args.runs_dir) / name
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, 1000):
+        run_dir = base if attempt == 1 else base.with_name(f"{name}-{attempt}")
+        try:
+            run_dir.mkdir()  # exclusive: fails if another run made it first
+            return run_dir
+        except FileExistsError:
+            continue
+    raise UsageError(f"could not create a new run directory next to {base}")
+
+
+def describe_run(args, device: torch.device, envs: str, precision: str = "fp32", world_size: int = 1) -> str:
+    """The first line of every run: where it runs and what it will do."""
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)} ({device})"
+    else:
+        where = "cpu (no CUDA found)" if not torch.cuda.is_available() else "cpu"
+    if args.eval_checkpoint is not None:
+        what = f"evaluating {args.eval_checkpoint} on {args.env_id} for {args.eval_episodes} games"
+    else:
+        batch = args.batch_size * world_size
+        steps = args.num_iterations * batch
+        iterations = f"{args.num_iterations:,} iteration{'s' if args.num_iterations != 1 else ''}"
+        what = f"{args.env_id}, {iterations} of {batch:,} steps = {steps:,} agent steps"
+    return f"{where}, {precision}, {envs}; {what}"
+
+
+def rollout_text(args, threads_per_batch, first_core, driver, graphs, policy) -> str:
+    """The first line's account of a native rollout: envs, threads, driver, graphs, policy step."""
+    text = f"{args.num_envs} envs x {args.num_gpu_batches} batches, {threads_text(threads_per_batch)}"
+    text += " pinned" if first_core is not None else ""
+    text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}, policy {policy.name}"
+    return text + (f" ({policy.reason})" if policy.reason else "")
+
+
+class Progress:
+    """One line per iteration, from host-side numbers only (no GPU sync)."""
+
+    def __init__(self, total_steps: int, start_step: int):
+        self.total_steps = total_steps
+        self.start_step = start_step
+        self.start_time = time.time()
+        self.recent_returns = deque(maxlen=20)
+        self.rollout_time = 0.0  # seconds spent collecting, added up by the scripts
+
+    def sps(self, global_step: int) -> int:
+        return int((global_step - self.start_step) / max(time.time() - self.start_time, 1e-9))
+
+    def line(self, iteration: int, num_iterations: int, global_step: int) -> str:
+        sps = self.sps(global_step)
+        seconds = int((self.total_steps - global_step) / max(sps, 1))
+        hours, rest = divmod(seconds, 3600)
+        eta = f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+        ret = f"{np.mean(self.recent_returns):.1f}" if self.recent_returns else "-"
+        rollout = f" (rollout {int((global_step - self.start_step) / self.rollout_time)})" if self.rollout_time else ""
+        return (
+            f"iter {iteration}/{num_iterations}  step {global_step:,}/{self.total_steps:,}  "
+            f"SPS: {sps}{rollout}  ETA {eta}  return {ret} (last {len(self.recent_returns)} games)"
+        )
+
+
+# ----------------------------------------------------------------------------- reliability
+def save_checkpoint(path, state: dict):
+    """Write atomically (temp file, fsync, rename): a crash mid-write leaves the old file whole."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a second Ctrl-C: leave no half-written temp file
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+# what every checkpoint holds, and what a resumable one adds: key -> type (plain data only,
+# so that torch.load(weights_only=True) reads it without running code)
+CHECKPOINT_KEYS = {"script": str, "env_id": str, "num_actions": int, "model": dict}
+RESUME_KEYS = {"args": dict, "optimizer": dict, "iteration": int, "global_step": int, "rng": dict}
+
+
+def checkpoint_path(path) -> Path:
+    """A checkpoint file, or a run directory meaning its checkpoint.pt."""
+    path = Path(path)
+    return path / "checkpoint.pt" if path.is_dir() else path
+
+
+def load_checkpoint(path, script: str, env_id: str | None = None, make_agent=None, resume=False) -> dict:
+    """Load a checkpoint of `script` without running code from it; refuse with one line a
+    missing, corrupt or foreign file, another script's or game's, missing keys, weights that
+    do not fit make_agent(num_actions), and (resume=True) optimizer or RNG states that do not fit."""
+    path = checkpoint_path(path)
+    name = repr(str(path))
+    if not path.is_file():
+        raise UsageError(f"checkpoint {name} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # a global outside plain data names code it would have run; anything else is no pickle
+        found = re.search(r"GLOBAL (\S+)|got <class '([^']+)'>", str(e))
+        if found is None:
+            raise UsageError(f"checkpoint {name} is corrupt or unreadable ({type(e).__name__})")
+        what = found.group(1) or found.group(2)
+        raise UsageError(f"checkpoint {name} holds more than plain data ({what}): refused, loading it could run code")
+    except Exception as e:  # a truncated or foreign file
+        raise UsageError(f"checkpoint {name} is corrupt or unreadable ({type(e).__name__})")
+    if not isinstance(state, dict) or not {"model", "script", "env_id"} <= state.keys():
+        raise UsageError(f"checkpoint {name} was not written by these scripts")
+    if state["script"] != script:
+        raise UsageError(f"checkpoint {name} is from {state['script']}, not {script}")
+    if env_id is not None and game_name(state["env_id"]) != game_name(env_id):
+        raise UsageError(f"checkpoint {name} is for {state['env_id']}, not {env_id}")
+    for key, kind in (CHECKPOINT_KEYS | (RESUME_KEYS if resume else {})).items():
+        if not isinstance(state.get(key), kind) or (kind is int and isinstance(state[key], bool)):
+            got = "missing" if key not in state else f"a {type(state[key]).__name__}"
+            raise UsageError(f"checkpoint {name} is not a complete checkpoint of {script}: {key!r} is {got}")
+    agent = None
+    if make_agent is not None:
+        actions = num_actions(state["env_id"])
+        if state["num_actions"] != actions:
+            game = game_name(state["env_id"])
+            raise UsageError(f"checkpoint {name} has {state['num_actions']} actions, {game} has {actions}")
+        agent = make_agent(actions)
+        try:
+            agent.load_state_dict(state["model"])
+        except (RuntimeError, TypeError, ValueError, AttributeError) as e:
+            first = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+            game = game_name(state["env_id"])
+            raise UsageError(f"checkpoint {name}: its weights do not fit the network for {game} ({first})")
+    if resume:
+        check_optimizer_state(state["optimizer"], list(agent.parameters()) if agent is not None else None, name)
+        try:  # restore them into throwaway generators: what set_rng_states will do
+            random.Random().setstate(tuple(state["rng"]["python"]))
+            np.random.RandomState().set_state(numpy_rng_state(state["rng"]["numpy"]))
+            torch.Generator().set_state(state["rng"]["torch"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise UsageError(f"checkpoint {name}: its RNG states cannot be restored ({type(e).__name__})")
+    return state
+
+
+def check_optimizer_state(optimizer_state: dict, parameters, name):
+    """Per parameter, every saved tensor is a scalar or has its shape (load_state_dict would not notice)."""
+    groups = optimizer_state.get("param_groups")
+    if not isinstance(optimizer_state.get("state"), dict) or not isinstance(groups, list):
+        raise UsageError(f"checkpoint {name}: its optimizer state is not an optimizer's")
+    if parameters is None:
+        return
+    if sum(len(group.get("params", [])) for group in groups) != len(parameters):
+        raise UsageError(f"checkpoint {name}: its optimizer state is for another network")
+    for index, values in optimizer_state["state"].items():
+        if not isinstance(index, int) or not 0 <= index < len(parameters) or not isinstance(values, dict):
+            raise UsageError(f"checkpoint {name}: its optimizer state is for another network")
+        for value in values.values():
+            if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != parameters[index].shape:
+                raise UsageError(f"checkpoint {name}: its optimizer state is for another network")
+
+
+def check_resume_args(checkpoint: dict, args, names=("num_envs", "num_steps", "total_timesteps")):
+    """A resumed run keeps what maps iterations to steps and sets the LR schedule; a finished one cannot resume."""
+    saved = checkpoint.get("args", {})
+    for name in names:
+        if name in saved and saved[name] != getattr(args, name):
+            flag, value = f"--{name.replace('_', '-')}", getattr(args, name)
+            raise UsageError(f"{flag} {value} differs from the checkpoint's {saved[name]}: resume with the same value")
+    if checkpoint["iteration"] >= args.num_iterations:
+        steps = checkpoint["global_step"]
+        raise UsageError(f"checkpoint {str(args.resume)!r} ends a finished run ({steps:,} steps): nothing to resume")
+
+
+def rng_states(device: torch.device) -> dict:
+    """Python's, numpy's, torch's and this device's RNG states, as plain data."""
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    states = {
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), position, has_gauss, cached_gaussian],
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":  # only this run's device: a machine with fewer GPUs can resume it
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def numpy_rng_state(saved):
+    name, keys, *rest = saved
+    return (name, np.asarray(keys, dtype=np.uint32), *rest)
+
+
+def set_rng_states(states: dict, device: torch.device):
+    random.setstate(tuple(states["python"]))
+    np.random.set_state(numpy_rng_state(states["numpy"]))
+    torch.set_rng_state(states["torch"])
+    cuda = states.get("cuda")
+    if device.type == "cuda" and cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+class StopSignal:
+    """SIGINT/SIGTERM set a flag the train loop checks; a second SIGINT stops at once."""
+
+    def __init__(self, checkpoint_path):
+        self.received = None
+        self.checkpoint_path = Path(checkpoint_path)
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            import multiprocessing
+
+            for child in multiprocessing.active_children():  # the baseline's env workers, which
+                child.kill()  # inherited this handler: SIGTERM would only set their flag
+            last = self.checkpoint_path if self.checkpoint_path.is_file() else "none written yet"
+            print(f"stopped at once by a second SIGINT; last checkpoint: {last}", file=sys.stderr, flush=True)
+            os._exit(130)
+        self.received = signal.Signals(signum).name
+
+    def __bool__(self):
+        return self.received is not None
+
+
+def stopped_message(stop, global_step, checkpoint_path) -> str:
+    """One line saying how to continue: the same command with --resume."""
+    argv, skip = [], False
+    for arg in sys.argv[1:]:  # drop an earlier --resume
+        if skip or arg == "--resume" or arg.startswith("--resume="):
+            skip = arg == "--resume"
+            continue
+        argv.append(arg)
+    command = shlex.join(["python", Path(sys.argv[0]).name, *argv, "--resume", str(checkpoint_path)])
+    return f"stopped by {stop.received} at step {global_step:,}; resume with: {command}"
+
+
+def all_finite(module: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in module.parameters())
+
+
+@torch.no_grad()
+def nonfinite_policy(agent, obs) -> torch.Tensor:
+    """A device bool, not synced: are any weights, or the policy's outputs on `obs`, non-finite?
+    (The next rollout would sample from them, and a checkpoint keep them.)"""
+    actions = torch.zeros(obs.shape[0], dtype=torch.long, device=obs.device)
+    _, logprob, entropy, value = agent.get_action_and_value(obs, actions)
+    weights = torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
+    return ~(weights & torch.isfinite(torch.cat([logprob, entropy, value.view(-1)])).all())
+
+
+def fail_diverged(what: str, iteration: int, checkpoint_path, *to_close):
+    """Training went non-finite: flush the logs, name the last good checkpoint, exit 1."""
+    for resource in to_close:
+        resource.close()
+    if Path(checkpoint_path).is_file():
+        last = f"the last good checkpoint is {checkpoint_path}"
+    else:
+        last = "no checkpoint was written yet"
+    fail(f"{what} at iteration {iteration}; {last}", code=1)
+
+
+# ----------------------------------------------------------------------------- ALE v5 in gymnasium
+class AleV5GameStart(gym.Wrapper):
+    """ale-py's vector-env game start for a gymnasium ALE env made with frameskip=1: FIRE for
+    one frame where the game has it, then max(0, U{0..29} - 1) noop frames."""
+
+    def __init__(self, env, noop_max=ALE_V5["noop_max"]):
+        super().__init__(env)
+        self.noop_max = noop_max
+        self.fire = "FIRE" in env.unwrapped.get_action_meanings()
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        if self.fire:
+            obs, _, _, _, info = self.env.step(1)
+        noops = int(self.env.unwrapped.np_random.integers(0, self.noop_max)) - self.fire
+        for _ in range(noops):
+            obs, _, terminated, truncated, info = self.env.step(0)
+            if terminated or truncated:
+                obs, info = self.env.reset()
+        return obs, info
+
+
+class LifeLossTerminal(gym.Wrapper):
+    """A lost life is terminal for the learner while the game goes on, as ale-py's life_loss_info
+    does: the vector env's reset() after a lost life returns the last observation and takes no
+    step, so stacks and episode statistics run over the full game. A reset with a seed or
+    options always restarts the game."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.lives = 0
+        self.game_over = True
+        self.last = None
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.game_over = terminated or truncated
+        lives = self.env.unwrapped.ale.lives()
+        terminated = terminated or 0 < lives < self.lives
+        self.lives = lives
+        self.last = obs, info
+        return obs, reward, terminated, truncated, info
+
+    def reset(self, *, seed=None, options=None):
+        if not self.game_over and seed is None and options is None:
+            return self.last
+        self.game_over = False
+        obs, info = self.env.reset(seed=seed, options=options)
+        self.lives = self.env.unwrapped.ale.lives()
+        return obs, info
+
+
+# ----------------------------------------------------------------------------- evaluation
+def evaluate_checkpoint(make_agent, evaluated, args, device):
+    """--eval-checkpoint: play its games, print the mean, std and human-normalized score, exit."""
+    agent = make_agent(evaluated["num_actions"]).to(device)
+    agent.load_state_dict(evaluated["model"])
+    act = lambda obs: agent.get_action_and_value(obs)[0]  # noqa: E731
+    video_dir = Path(args.eval_checkpoint).parent / "videos"
+    try:
+        returns = evaluate(args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir)
+    except UsageError as e:
+        fail(str(e))
+    mean, std = float(np.mean(returns)), float(np.std(returns))
+    hns = human_normalized(game_name(args.env_id), mean)
+    hns_text = f"{hns:.3f}" if hns is not None else "n/a (no human score for this game)"
+    print(
+        f"evaluation {args.env_id}: {len(returns)} games  mean {mean:.2f}  std {std:.2f}  human-normalized {hns_text}"
+    )
+    sys.exit(0)
+
+
+def human_normalized(game: str, score: float) -> float | None:
+    with open(SCORES_CSV) as f:
+        for row in csv.DictReader(f):
+            if row["game"] == game and row["human"]:
+                random_score, human = float(row["random"]), float(row["human"])
+                return (score - random_score) / (human - random_score)
+    return None
+
+
+def evaluate(env_id, act, episodes, seed, device, capture_video=False, video_dir=None):
+    """The full-game, unclipped returns of `episodes` games played by act(uint8 [n, 4, 84, 84]) -> [n]."""
+    if capture_video:
+        return evaluate_with_video(env_id, act, episodes, seed, device, video_dir)
+    from ale_py.vector_env import AtariVectorEnv
+
+    num_envs = min(episodes, 8)
+    envs = AtariVectorEnv(
+        rom_id(env_id), num_envs, **ALE_V5, stack_num=STACK, num_threads=min(num_envs, os.cpu_count())
+    )
+    obs, info = seeded_reset(envs, seed)
+    returns, current = [], np.zeros(num_envs)
+    started = np.zeros(num_envs, dtype=np.int64) + 1  # how many games each env has begun
+    quota = np.array([episodes // num_envs + (i < episodes % num_envs) for i in range(num_envs)])
+    frame_number = info["episode_frame_number"].copy()
+    while len(returns) < episodes:
+        with torch.no_grad():
+            actions = act(torch.from_numpy(obs).to(device)).cpu().numpy()
+        obs, reward, terminated, truncated, info = envs.step(actions)
+        current += reward
+        game_over = truncated | (terminated & (info["episode_frame_number"] < frame_number))
+        frame_number = info["episode_frame_number"].copy()
+        for i in np.flatnonzero(game_over):
+            if started[i] <= quota[i]:  # games begun beyond the quota are not counted
+                returns.append(float(current[i]))
+            started[i] += 1
+            current[i] = 0
+    envs.close()
+    return returns
+
+
+def evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
+    """evaluate, one game at a time through gymnasium's pipeline, which can render and record."""
+    try:
+        import moviepy  # noqa: F401  (gymnasium's RecordVideo needs it)
+    except ImportError:
+        raise UsageError("--capture-video needs moviepy: pip install moviepy")
+    import ale_py
+
+    gym.register_envs(ale_py)
+    env = gym.make(f"ALE/{game_name(env_id)}-v5", frameskip=1, render_mode="rgb_array")
+    env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda e: True)
+    env = AleV5GameStart(env)
+    env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=4, screen_size=84)
+    env = gym.wrappers.FrameStackObservation(env, STACK, padding_type="zero")
+    returns = []
+    for episode in range(episodes):
+        obs, _ = env.reset(seed=seed + episode)
+        done, total = False, 0.0
+        while not done:
+            with torch.no_grad():
+                action = act(torch.from_numpy(np.asarray(obs)[None]).to(device))
+            obs, reward, terminated, truncated, _ = env.step(int(action[0]))
+            total += reward
+            done = terminated or truncated
+        returns.append(total)
+    env.close()
+    return returns
+
+
+# ----------------------------------------------------------------------------- profiling
+class Profiler:
+    """--profile: a table of time per rollout phase over the first 4 iterations, and a
+    torch.profiler trace of iterations 2-4 (trace.json, for Perfetto; the first warms up). Free
+    when off; never syncs the device: host phases are perf_counter spans, a batch-step's GPU
+    time comes from events on its stream."""
+
+    def __init__(self, enabled: bool, run_dir=None, device=torch.device("cpu"), iterations=4):
+        self.enabled, self.cuda = enabled, enabled and device.type == "cuda"
+        self.totals, self.pending, self.lock = {}, [], threading.Lock()
+        self.iterations, self.done, self.null = iterations, 0, contextlib.nullcontext()
+        if enabled:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            activities += [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+            self.trace = str(Path(run_dir) / "trace.json")
+            schedule = torch.profiler.schedule(wait=0, warmup=0, active=iterations - 1, repeat=1)
+            self.torch_profiler = torch.profiler.profile(
+                activities=activities, schedule=schedule, on_trace_ready=self.save_trace
+            )
+
+    def save_trace(self, torch_profiler):
+        torch_profiler.export_chrome_trace(self.trace)
+        print(f"profiler trace: {self.trace} (open in https://ui.perfetto.dev)", flush=True)
+
+    def __call__(self, name):
+        """Around a host phase: its wall time, added to `name`."""
+        return self._phase(name) if self.enabled else self.null
+
+    @contextlib.contextmanager
+    def _phase(self, name):
+        start = time.perf_counter()
+        yield
+        self.add(name, time.perf_counter() - start)
+
+    def add(self, name, seconds):
+        with self.lock:
+            self.totals[name] = self.totals.get(name, 0.0) + seconds
+
+    def gpu(self, stream):
+        """Around the device work of one batch-step: its GPU time, from events on its stream."""
+        return self._gpu(stream) if self.cuda else self.null
+
+    @contextlib.contextmanager
+    def _gpu(self, stream):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        yield
+        end.record(stream)
+        with self.lock:
+            self.pending.append((start, end))
+
+    def step(self, last=False):
+        """After each iteration (its rollout waited for): read its GPU times; at the end, the table."""
+        if not self.enabled:
+            return
+        pending, self.pending = self.pending, []
+        if pending:
+            self.add("GPU: batch-steps", sum(start.elapsed_time(end) for start, end in pending) / 1000)
+        self.done += 1
+        if self.done == 1:
+            self.torch_profiler.start()  # after the first iteration, and after any CUDA graph capture
+        else:
+            self.torch_profiler.step()
+        if self.done == self.iterations or last:
+            self.torch_profiler.stop()
+            self.enabled = self.cuda = False
+            print(self.table(), flush=True)
+
+    def table(self) -> str:
+        host = {k: v for k, v in self.totals.items() if not k.startswith("GPU:")}
+        total = sum(host.values()) or 1.0
+        lines = [f"{'phase':<22}{'seconds':>10}{'share':>8}"]
+        for name, seconds in sorted(self.totals.items(), key=lambda kv: (kv[0] not in host, -kv[1])):
+            share = f"{seconds / total:>8.1%}" if name in host else f"{'':>8}"
+            lines.append(f"{name:<22}{seconds:>10.3f}{share}")
+        return "\n".join(lines)
