@@ -94,32 +94,6 @@ class Args:
     """the number of iterations (computed in runtime)"""
 
 
-def make_env(env_id, seed, life_loss_terminal):
-    def thunk():
-        import multiprocessing
-        import signal
-
-        import ale_py
-
-        if multiprocessing.parent_process() is not None:
-            # a worker process: Ctrl-C is for the main process, which stops cleanly
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        gym.register_envs(ale_py)
-        # the ALE v5 protocol (docs/protocol.md); frameskip=1, as AtariPreprocessing skips the frames
-        env = gym.make(f"ALE/{utils.game_name(env_id)}-v5", frameskip=1, repeat_action_probability=0.25)
-        env = utils.AleV5GameStart(env)
-        env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=4, screen_size=84)
-        env = gym.wrappers.RecordEpisodeStatistics(env)  # full games, unclipped, agent steps
-        env = gym.wrappers.FrameStackObservation(env, 4, padding_type="zero")
-        if life_loss_terminal:
-            env = utils.LifeLossTerminal(env)
-        env = gym.wrappers.ClipReward(env, -1, 1)  # the learner sees clipped rewards
-        env.action_space.seed(seed)
-        return env
-
-    return thunk
-
-
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
@@ -286,7 +260,7 @@ if __name__ == "__main__":
 
     # env setup: envs cannot be checkpointed, so a resume reseeds them
     env_seed = args.seed + 1_000_003 * start_iteration
-    env_fns = [make_env(args.env_id, env_seed + i, args.life_loss_terminal) for i in range(args.num_envs)]
+    env_fns = [utils.make_env(args.env_id, env_seed + i, args.life_loss_terminal) for i in range(args.num_envs)]
     autoreset = gym.vector.AutoresetMode.SAME_STEP
     if args.vector_mode == "async":
         envs = gym.vector.AsyncVectorEnv(env_fns, autoreset_mode=autoreset)

@@ -1075,6 +1075,39 @@ class LifeLossTerminal(gym.Wrapper):
         return obs, info
 
 
+def make_env(env_id, seed, life_loss_terminal, video_dir=None):
+    """A thunk that makes one gymnasium env playing ale-py's v5 game (the baseline's envs; with
+    video_dir, evaluation's recorded games): the game start, 4 frames a step max-pooled, 84x84
+    grayscale stacks of 4, full-game statistics in info["episode"], clipped rewards."""
+
+    def thunk():
+        import multiprocessing
+
+        import ale_py
+
+        if multiprocessing.parent_process() is not None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a worker: Ctrl-C is for the main process
+        gym.register_envs(ale_py)
+        render_mode = None if video_dir is None else "rgb_array"
+        # frameskip=1 here: AtariPreprocessing skips the frames, max-pooling the last two
+        env = gym.make(
+            f"ALE/{game_name(env_id)}-v5", frameskip=1, repeat_action_probability=0.25, render_mode=render_mode
+        )
+        if video_dir is not None:
+            env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda e: True)
+        env = AleV5GameStart(env)
+        env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=4, screen_size=84)
+        env = gym.wrappers.RecordEpisodeStatistics(env)  # full games, unclipped, agent steps
+        env = gym.wrappers.FrameStackObservation(env, STACK, padding_type="zero")
+        if life_loss_terminal:
+            env = LifeLossTerminal(env)
+        env = gym.wrappers.ClipReward(env, -1, 1)  # the learner sees clipped rewards
+        env.action_space.seed(seed)
+        return env
+
+    return thunk
+
+
 # ----------------------------------------------------------------------------- evaluation
 def evaluate_checkpoint(make_agent, evaluated, args, device):
     """--eval-checkpoint: play its games, print the mean, std and human-normalized score, exit."""
@@ -1136,30 +1169,22 @@ def evaluate(env_id, act, episodes, seed, device, capture_video=False, video_dir
 
 
 def evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
-    """evaluate, one game at a time through gymnasium's pipeline, which can render and record."""
+    """evaluate, one game at a time through the gymnasium pipeline, which can render and record."""
     try:
         import moviepy  # noqa: F401  (gymnasium's RecordVideo needs it)
     except ImportError:
         raise UsageError("--capture-video needs moviepy: pip install moviepy")
-    import ale_py
-
-    gym.register_envs(ale_py)
-    env = gym.make(f"ALE/{game_name(env_id)}-v5", frameskip=1, render_mode="rgb_array")
-    env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda e: True)
-    env = AleV5GameStart(env)
-    env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=4, screen_size=84)
-    env = gym.wrappers.FrameStackObservation(env, STACK, padding_type="zero")
+    env = make_env(env_id, seed, life_loss_terminal=False, video_dir=video_dir)()
     returns = []
     for episode in range(episodes):
         obs, _ = env.reset(seed=seed + episode)
-        done, total = False, 0.0
+        done = False
         while not done:
             with torch.no_grad():
                 action = act(torch.from_numpy(np.asarray(obs)[None]).to(device))
-            obs, reward, terminated, truncated, _ = env.step(int(action[0]))
-            total += reward
+            obs, _, terminated, truncated, info = env.step(int(action[0]))
             done = terminated or truncated
-        returns.append(total)
+        returns.append(float(info["episode"]["r"]))  # the full game's unclipped return
     env.close()
     return returns
 

@@ -13,7 +13,7 @@ Engines:
   each, the C++ threads split between them (equal threads in total).
 - ale-py AtariVectorEnv used directly, stack_num=4 (its own frame stack).
 - gymnasium SyncVectorEnv and AsyncVectorEnv of ALE v5 envs + AtariPreprocessing + 4-frame
-  stack, the baseline's env (ppo_atari_baseline.make_env).
+  stack, the baseline's env (utils.make_env).
 Run: python benchmarks/env_throughput.py [--env-id Breakout-v5 --num-envs 16 --steps 400 --rounds 5]
 """
 
@@ -107,7 +107,7 @@ def run_ale(env_id, num_envs, threads, steps, seed=0):
 def run_gymnasium(mode, env_id, num_envs, threads, steps, seed=0):
     import gymnasium as gym
 
-    from ppo_atari_baseline import make_env
+    from utils import make_env
 
     fns = [make_env(env_id, seed + i, True) for i in range(num_envs)]
     autoreset = gym.vector.AutoresetMode.SAME_STEP

@@ -21,7 +21,7 @@ def test_baseline_runs_and_writes_every_tag(vector_mode, runs_dir):
 def test_baseline_episode_accounting():
     """Full-game returns over all lives from unclipped rewards; the learner's rewards clipped
     and every lost life terminal. SpaceInvaders gives rewards above 1 and has 3 lives."""
-    from ppo_atari_baseline import make_env
+    from utils import make_env
 
     env = make_env("SpaceInvaders-v5", seed=3, life_loss_terminal=True)()
     # spy on the rewards that come out of the preprocessing, before any clipping

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import utils
-from ppo_atari_baseline import make_env
+from utils import make_env
 
 STARTS = 576  # game starts per pipeline: enough to see the ball served 10 points less often (see below)
 STEPS = 40  # agent steps watched after each start (a served ball is lost by step ~24)
@@ -46,7 +46,7 @@ def native_starts(game, steps=STEPS, starts=STARTS, num_envs=32):
 
 
 def baseline_starts(game, steps=STEPS, starts=STARTS):
-    """The same from ppo_atari_baseline.make_env's gymnasium pipeline (lives read from ALE)."""
+    """The same from utils.make_env's gymnasium pipeline (lives read from ALE)."""
     env = make_env(f"{game}-v5", seed=0, life_loss_terminal=False)()
     ale = env.unwrapped.ale
     rows = []

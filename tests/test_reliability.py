@@ -684,6 +684,21 @@ def test_evaluation_returns_are_full_game_unclipped_sums():
     assert lives_lost >= 2 * episodes and all(c < e for c, e in zip(clipped, expected)), (lives_lost, clipped)
 
 
+def test_evaluation_with_video_records_every_game_and_scores_it_as_without(tmp_path):
+    """--capture-video plays through utils.make_env's gymnasium pipeline: one video per game,
+    and the same full-game, unclipped returns as the vector envs give (NOOP throughout, so that
+    the pipelines' different random draws do not matter: MsPacman scores 60 in each game)."""
+    pytest.importorskip("moviepy")
+
+    def act(obs):
+        return torch.zeros(obs.shape[0], dtype=torch.long)
+
+    cpu = torch.device("cpu")
+    recorded = utils.evaluate("MsPacman-v5", act, 2, 0, cpu, capture_video=True, video_dir=tmp_path / "videos")
+    assert recorded == utils.evaluate("MsPacman-v5", act, 2, 0, cpu) and min(recorded) >= 10
+    assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == [f"rl-video-episode-{i}.mp4" for i in range(2)]
+
+
 # ----------------------------------------------------------------------------- 5. non-finite
 def test_non_finite_training_stops_and_keeps_the_last_good_checkpoint(stopped_and_resumed, tmp_path):
     """Resume a good checkpoint with --learning-rate 1e30: the first update sends the weights to
