@@ -615,9 +615,9 @@ RANGES = {
 def check_args(args):
     """What every script checks of its flags before anything starts: numeric ranges, the game
     (its canonical name from here on), the experiment name and the runs directory."""
-    for name, (text, ok) in RANGES.items():
-        if hasattr(args, name) and not ok(getattr(args, name)):
-            raise UsageError(f"--{name.replace('_', '-')} must be {text}, got {getattr(args, name)}")
+    for name, value in vars(args).items():
+        if name in RANGES and not RANGES[name][1](value):
+            raise UsageError(f"--{name.replace('_', '-')} must be {RANGES[name][0]}, got {value}")
     if args.env_id is None and args.eval_checkpoint is None:  # evaluation: the checkpoint's game
         args.env_id = DEFAULT_ENV_ID
     if args.env_id is not None:
@@ -1115,10 +1115,7 @@ def evaluate_checkpoint(make_agent, evaluated, args, device):
     agent.load_state_dict(evaluated["model"])
     act = lambda obs: agent.get_action_and_value(obs)[0]  # noqa: E731
     video_dir = Path(args.eval_checkpoint).parent / "videos"
-    try:
-        returns = evaluate(args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir)
-    except UsageError as e:
-        fail(str(e))
+    returns = evaluate(args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir)
     mean, std = float(np.mean(returns)), float(np.std(returns))
     hns = human_normalized(game_name(args.env_id), mean)
     hns_text = f"{hns:.3f}" if hns is not None else "n/a (no human score for this game)"
@@ -1169,11 +1166,8 @@ def evaluate(env_id, act, episodes, seed, device, capture_video=False, video_dir
 
 
 def evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
-    """evaluate, one game at a time through the gymnasium pipeline, which can render and record."""
-    try:
-        import moviepy  # noqa: F401  (gymnasium's RecordVideo needs it)
-    except ImportError:
-        raise UsageError("--capture-video needs moviepy: pip install moviepy")
+    """evaluate, one game at a time through the gymnasium pipeline, which can render and record
+    (with moviepy, which check_args has checked for)."""
     env = make_env(env_id, seed, life_loss_terminal=False, video_dir=video_dir)()
     returns = []
     for episode in range(episodes):

@@ -126,6 +126,10 @@ MUTANTS = [
      "g.copy_(flat[offset : offset + g.numel()].view_as(g))", "pass", DISTRIBUTED),
     ("all-reduced gradients summed, not averaged", "utils.py",
      "flat /= world_size", "pass", DISTRIBUTED),
+    ("a signal on one rank does not stop the others", "utils.py",
+     'stop.received = "a signal on another rank"', "pass", DISTRIBUTED),
+    ("a non-finite loss on one rank does not stop the others", "utils.py",
+     "return flags[1] > 0", "return nonfinite", DISTRIBUTED),
 ]  # fmt: skip
 
 

@@ -4,6 +4,7 @@ gradient each rank applies is the mean of the ranks' own."""
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -78,3 +79,27 @@ def test_all_reduce_leaves_every_rank_the_mean_of_the_ranks_gradients(tmp_path):
         assert len(applied) == len(expected)
         for grad, mean in zip(applied, expected, strict=True):
             torch.testing.assert_close(grad, mean, rtol=1e-6, atol=1e-7)
+
+
+def agree_on_rank(rank, world_size, init_file, out_dir, stopped_rank, diverged_rank):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    stop = utils.StopSignal(out_dir / "checkpoint.pt")
+    stop.received = "SIGINT" if rank == stopped_rank else None
+    nonfinite = torch.tensor(rank == diverged_rank)
+    result = utils.agree(stop, nonfinite, torch.device("cpu"))
+    torch.save({"received": stop.received, "nonfinite": bool(result)}, out_dir / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stopped_rank, diverged_rank", [(1, None), (None, 0), (None, None)])
+def test_every_rank_stops_or_diverges_when_one_does(stopped_rank, diverged_rank, tmp_path):
+    """utils.agree, each iteration under torchrun: a signal on one rank stops them all (after
+    the update, in lockstep), and a non-finite loss on one rank stops them all."""
+    world_size = 2
+    mp.spawn(
+        agree_on_rank, args=(world_size, tmp_path / "init", tmp_path, stopped_rank, diverged_rank), nprocs=world_size
+    )
+    for rank in range(world_size):
+        seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        expected = None if stopped_rank is None else "SIGINT" if rank == stopped_rank else "a signal on another rank"
+        assert seen == {"received": expected, "nonfinite": diverged_rank is not None}
