@@ -393,7 +393,7 @@ def bad_inputs(script):
         ("resume-finished-run", ["--resume", f"{{files}}/finished-{script}"], "ends a finished run"),
         ("eval-missing", ["--eval-checkpoint", "{files}/missing.pt"], "does not exist"),
         ("video-without-eval", ["--capture-video"], "--eval-checkpoint"),
-        # issue 20: a checkpoint never runs code, and what is not a checkpoint of the script is refused
+        # a checkpoint never runs code, and what is not a checkpoint of the script is refused
         ("eval-payload", ["--eval-checkpoint", "{files}/payload.pt"], "refused, loading it could run code"),
         ("resume-payload", ["--resume", "{files}/payload.pt"], "refused, loading it could run code"),
         ("eval-incomplete", ["--eval-checkpoint", f"{{files}}/incomplete-{script}"], "'num_actions' is missing"),
@@ -403,7 +403,7 @@ def bad_inputs(script):
         ("eval-wrong-shape", ["--eval-checkpoint", f"{{files}}/bad-shape-{script}"], "do not fit the network"),
         ("resume-bad-optimizer", ["--resume", f"{{files}}/bad-optimizer-{script}"], "optimizer state is for another"),
         ("resume-bad-rng", ["--resume", f"{{files}}/bad-rng-{script}"], "RNG states cannot be restored"),
-        # issue 21: every flag checked before anything starts
+        # every flag checked before anything starts
         ("gamma-2", ["--gamma", "2"], "--gamma must be in [0, 1], got 2.0"),
         ("exp-name-escapes", ["--exp-name", "../../../escaped"], "not a path"),
         ("misspelled-flag", ["--gama", "0.9"], "perhaps you meant --gamma"),
