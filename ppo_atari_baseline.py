@@ -279,7 +279,7 @@ if __name__ == "__main__":
 
     def save(iteration, step, path=run_dir / "checkpoint.pt"):
         state = {
-            "script": Path(__file__).name, "env_id": args.env_id, "args": vars(args),
+            "script": script, "env_id": args.env_id, "args": vars(args),
             "num_actions": num_actions, "model": agent.state_dict(),
             "optimizer": optimizer.state_dict(), "iteration": iteration, "global_step": step,
             "env_seed": env_seed, "rng": utils.rng_states(device),

@@ -365,7 +365,7 @@ if __name__ == "__main__":
         driver=driver, cuda_graphs=graphs, profiler=profiler,
     )  # fmt: skip
 
-    # TRY NOT TO MODIFY: start the game (its first frames go to obs[T])
+    # TRY NOT TO MODIFY: start the game
     progress = utils.Progress(args.total_timesteps, global_step)
     rollout.start()
     iteration = start_iteration
