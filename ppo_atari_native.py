@@ -51,7 +51,7 @@ class Args:
     num_env_threads: int | None = None
     """C++ env threads in all, at least 1 (default: CUDA: the cores but the driver's; CPU: min(cores, batch) each)"""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """auto: bf16 where the GPU or CPU has it natively, fp32 elsewhere)"""
+    """auto: bf16 where the GPU or CPU has it natively, fp32 elsewhere"""
     cuda_graphs: bool = True
     """on CUDA, replay each batch-step's device work as a captured CUDA graph (off: launch its kernels one by one)"""
     policy: Literal["auto", "fused", "module"] = "auto"

@@ -614,7 +614,7 @@ RANGES = {
 
 def check_args(args):
     """What every script checks of its flags before anything starts: numeric ranges, the game
-    (its canonical name from here on), the experiment name and the runs directory."""
+    (its canonical name from here on), the experiment name, the runs directory, --capture-video."""
     for name, value in vars(args).items():
         if name in RANGES and not RANGES[name][1](value):
             raise UsageError(f"--{name.replace('_', '-')} must be {RANGES[name][0]}, got {value}")
@@ -693,7 +693,8 @@ def all_reduce_gradients(parameters, world_size):
 
 
 def agree(stop, nonfinite, device: torch.device):
-    """Under torchrun, every rank stops, or diverges, when any rank does; returns `nonfinite`."""
+    """Under torchrun, every rank stops, or diverges, when any rank does: sets `stop` where another
+    rank was signalled and returns whether any rank's `nonfinite` was set."""
     import torch.distributed as dist
 
     flags = torch.stack([torch.tensor(float(bool(stop)), device=device), nonfinite.float()])
@@ -1090,13 +1091,14 @@ def make_env(env_id, seed, life_loss_terminal, video_dir=None):
         gym.register_envs(ale_py)
         render_mode = None if video_dir is None else "rgb_array"
         # frameskip=1 here: AtariPreprocessing skips the frames, max-pooling the last two
+        sticky = ALE_V5["repeat_action_probability"]
         env = gym.make(
-            f"ALE/{game_name(env_id)}-v5", frameskip=1, repeat_action_probability=0.25, render_mode=render_mode
+            f"ALE/{game_name(env_id)}-v5", frameskip=1, repeat_action_probability=sticky, render_mode=render_mode
         )
         if video_dir is not None:
             env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda e: True)
         env = AleV5GameStart(env)
-        env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=4, screen_size=84)
+        env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=ALE_V5["frameskip"], screen_size=84)
         env = gym.wrappers.RecordEpisodeStatistics(env)  # full games, unclipped, agent steps
         env = gym.wrappers.FrameStackObservation(env, STACK, padding_type="zero")
         if life_loss_terminal:
@@ -1238,7 +1240,8 @@ class Profiler:
         """After each iteration (its rollout waited for): read its GPU times; at the end, the table."""
         if not self.enabled:
             return
-        pending, self.pending = self.pending, []
+        with self.lock:
+            pending, self.pending = self.pending, []
         if pending:
             self.add("GPU: batch-steps", sum(start.elapsed_time(end) for start, end in pending) / 1000)
         self.done += 1

@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -120,6 +121,22 @@ def rollout_storage(T, N):
         rewards=torch.zeros((T, N)),
         dones=torch.zeros((T + 1, N)),
     )
+
+
+def profile_table(stdout):
+    """--profile's table in a run's output: (its line index, the progress lines' indices, and
+    phase -> share of the host's time in percent, None for a GPU-time row). Exactly one table."""
+    lines = stdout.splitlines()
+    header = [i for i, line in enumerate(lines) if re.fullmatch(r"phase\s+seconds\s+share", line)]
+    assert len(header) == 1, stdout
+    rows = {}
+    for line in lines[header[0] + 1 :]:
+        row = re.fullmatch(r"(.{22})\s*\d+\.\d{3}(?:\s+(\d+\.\d)%|\s*)", line)
+        if row is None:
+            break
+        rows[row[1].strip()] = None if row[2] is None else float(row[2])
+    progress = [i for i, line in enumerate(lines) if line.startswith("iter ")]
+    return header[0], progress, rows
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ a report.
 - Every Triton kernel compiled for this GPU equals its reference (tests/gpu_kernels.py).
 - PPO's first ratio on CUDA: 1 within 1e-5 in fp32, within 1e-3 in bf16 (the same recipe in
   rollout and learner; bf16 convolutions may round apart where cuDNN adds up in another order).
+- --profile: the trace, and the batch-steps' GPU time beside the host phases.
 - a2c_atari.py, evaluation, stop and resume, and torchrun with NCCL (world size 1).
 - benchmarks/gpu_sweep.py finishes every configuration of its --quick grid.
 """
@@ -23,7 +24,16 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, assert_all_tags, read_scalars, run_dir_of, run_script, script_env, stop_after_first_progress
+from conftest import (
+    ROOT,
+    assert_all_tags,
+    profile_table,
+    read_scalars,
+    run_dir_of,
+    run_script,
+    script_env,
+    stop_after_first_progress,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -117,6 +127,20 @@ def test_first_ratio_is_one_on_cuda(precision, tolerance, runs_dir):
     assert len(scalars["losses/old_approx_kl"]) == 3
     for (_, kl), (_, approx_kl) in zip(scalars["losses/old_approx_kl"], scalars["losses/approx_kl"], strict=True):
         assert abs(kl) < tolerance and abs(approx_kl) < tolerance, (kl, approx_kl)
+
+
+def test_profile_on_cuda_times_the_batch_steps_on_their_streams(runs_dir):
+    """--profile on the headline command: the torch.profiler trace (started after the CUDA
+    graphs are captured), and the table with the batch-steps' GPU time from the timing events
+    on their streams beside the host phases, whose shares add up to 100%."""
+    args = [*HEADLINE, "--total-timesteps", str(6 * 2048), "--profile", "--runs-dir", runs_dir]
+    result = run_script("ppo_atari_native.py", *args)
+    assert (run_dir_of(result) / "trace.json").is_file()
+    header, progress, rows = profile_table(result.stdout)
+    assert progress[3] < header < progress[4]
+    assert rows.pop("GPU: batch-steps") is None, rows
+    assert {"env wait", "launch", "GPU wait", "training"} <= rows.keys(), rows
+    assert abs(sum(rows.values()) - 100) < 0.5
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

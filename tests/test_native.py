@@ -1,11 +1,9 @@
 """ppo_atari_native.py and utils' env machinery: the fast path must compute what the plain one does."""
 
-import re
-
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, assert_all_tags, read_scalars, run_dir_of, run_script
+from conftest import TINY, assert_all_tags, profile_table, read_scalars, run_dir_of, run_script
 
 import kernels
 import ppo_atari_native as native
@@ -274,18 +272,10 @@ def test_profile_writes_a_trace_and_one_table_of_phases(script, iterations, runs
     args += ["--num-minibatches", "4"] if script == "ppo_atari_native.py" else ["--log-interval", "1"]
     result = run_script(script, *args, "--runs-dir", runs_dir)
     assert (run_dir_of(result) / "trace.json").is_file()
-    lines = result.stdout.splitlines()
-    header = [i for i, line in enumerate(lines) if re.fullmatch(r"phase\s+seconds\s+share", line)]
-    assert len(header) == 1, result.stdout
-    progress = [i for i, line in enumerate(lines) if line.startswith("iter ")]
-    assert progress[min(4, iterations) - 1] < header[0]
-    assert iterations <= 4 or header[0] < progress[4]
-    rows = {}  # phase -> its share of the host's time (on CPU every phase is the host's)
-    for line in lines[header[0] + 1 :]:
-        row = re.fullmatch(r"(.{22})\s*\d+\.\d{3}\s+(\d+\.\d)%", line)
-        if row is None:
-            break
-        rows[row[1].strip()] = float(row[2])
-    assert {"env wait", "launch", "GPU wait", "training"} <= rows.keys(), lines[header[0] :]
+    header, progress, rows = profile_table(result.stdout)
+    assert progress[min(4, iterations) - 1] < header
+    assert iterations <= 4 or header < progress[4]
+    assert {"env wait", "launch", "GPU wait", "training"} <= rows.keys(), rows
+    assert None not in rows.values(), rows  # on CPU every phase is the host's
     assert abs(sum(rows.values()) - 100) < 0.5
     assert "profiler trace: " in result.stdout
