@@ -11,7 +11,7 @@ Before the conv body, `push_frames` moves an env batch's 4-frame stacks one step
 frames shift, a game that just ended gets zeros there, the new frame comes in) and writes the
 network's float input, scaled by 1/255, in one pass. Section 5, `policy_step`, is the whole
 device side of one env batch's step, as both native scripts run it (and capture it in a CUDA
-graph on a GPU).
+graph on a GPU); section 6 decides whether the rollout may take it for a given Agent.
 
 Each kernel is followed by its Python wrapper (argument checks, block sizes, launch grid)
 and by a plain torch reference with the same signature. The wrappers launch Triton for CUDA
@@ -46,13 +46,18 @@ chosen by reasoning about tile sizes and shared memory, not tuned on a GPU; benc
 times them there.
 """
 
+import ast
 import contextlib
+import copy
 import functools
+import inspect
 import os
+import textwrap
 import threading
 from types import SimpleNamespace
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 import triton
 import triton.language as tl
@@ -718,29 +723,64 @@ def module_policy_step(agent, buf, prev_obs, obs_out, uniform, action_out, logpr
     bf16 = buf.x.dtype == torch.bfloat16  # (a CUDA graph needs autocast's cast cache off)
     with torch.autocast(obs_out.device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
         logits, value = agent(obs_out)
-    sample_logits(logits.float(), uniform, action_out, logprob_out, buf.entropy)
+    sample_logits(logits.float().contiguous(), uniform, action_out, logprob_out, buf.entropy)
     value_out.copy_(value.view(-1))
 
 
-# The one network `policy_step` computes, layer by layer (the native scripts' Agent.network).
+# ---------------------------------------------------------------------------------------
+# 6. Which step the rollout takes: the fused one only where it computes Agent.forward
+# ---------------------------------------------------------------------------------------
+
+# The one network `policy_step` computes: the native scripts' Agent.network layer by layer
+# (class and repr), its heads, and its forward (compared as syntax: comments, layout and the
+# docstring aside).
 FUSED_NETWORK = [
     "Conv2d(4, 32, kernel_size=(8, 8), stride=(4, 4))", "ReLU", "Conv2d(32, 64, kernel_size=(4, 4), stride=(2, 2))",
     "ReLU", "Conv2d(64, 64, kernel_size=(3, 3), stride=(1, 1))", "ReLU", "Flatten(start_dim=1, end_dim=-1)",
     "Linear(in_features=3136, out_features=512, bias=True)", "GELU(approximate='none')",
 ]  # fmt: skip
+FUSED_FORWARD = """
+def forward(self, x):
+    hidden = self.network(x.contiguous(memory_format=torch.channels_last) * (1.0 / 255.0))
+    with torch.autocast(x.device.type, enabled=False):
+        hidden = hidden.float()
+        return self.actor(hidden), self.critic(hidden)
+"""
+# the layers' own forward, read at import: a script that patches a class afterwards is seen
+_LAYER_FORWARD = {cls: cls.forward for cls in (nn.Sequential, nn.Conv2d, nn.ReLU, nn.Flatten, nn.Linear, nn.GELU)}
 
 
 def _layer(module):
     """A layer as FUSED_NETWORK names it: its repr, and a bare ReLU (in place or not) as ReLU."""
-    return "ReLU" if type(module) is torch.nn.ReLU else repr(module)
+    return "ReLU" if type(module) is nn.ReLU else repr(module)
 
 
-def fused_mismatch(agent):
-    """None if `agent` is the network `policy_step` computes (the modules: types, shapes,
-    activations, nothing extra), else its first difference, in words."""
+def _syntax(source):
+    """A function's syntax tree as text, without its docstring; None if unreadable."""
+    function = ast.parse(textwrap.dedent(source)).body[0]
+    first = function.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        function.body = function.body[1:]
+    function.decorator_list = []
+    return ast.dump(function)
+
+
+def _is_fused_forward(cls):
+    try:
+        return _syntax(inspect.getsource(cls.forward)) == _syntax(FUSED_FORWARD)
+    except (OSError, TypeError, SyntaxError, IndexError):  # no source to read: not the fused forward
+        return False
+
+
+def fused_mismatch(agent, num_actions):
+    """None if `agent` computes exactly what `policy_step` does, else its first difference in a
+    few words. Read are its forward (and __call__), its modules (class, the class's forward,
+    hyperparameters, nothing extra), every parameter and buffer, and forward hooks."""
     network = getattr(agent, "network", None)
-    if not isinstance(network, torch.nn.Sequential):
-        return "agent.network is not an nn.Sequential"
+    if network is None:
+        return "the agent has no .network"
+    if type(network) is not nn.Sequential:
+        return f"agent.network is a {type(network).__name__}, not an nn.Sequential"
     for i, want in enumerate(FUSED_NETWORK):
         if i == len(network):
             return f"network ends at [{i}], the fused step computes {want} there"
@@ -750,18 +790,41 @@ def fused_mismatch(agent):
             got, want = (got, want) if name(got) == name(want) else (name(got), name(want))
             return f"network[{i}] is {got}, the fused step computes {want}"
     if len(network) > len(FUSED_NETWORK):
-        extra = _layer(network[len(FUSED_NETWORK)]).split("(")[0]
+        extra = type(network[len(FUSED_NETWORK)]).__name__
         return f"network[{len(FUSED_NETWORK)}] is {extra}, after the layers the fused step computes"
     extra = [name for name, _ in agent.named_children() if name not in ("network", "actor", "critic")]
     if extra:
         return f"agent.{extra[0]} is not part of the fused step"
-    for name, outputs in (("actor", None), ("critic", 1)):
+    for name, outputs in (("actor", num_actions), ("critic", 1)):
+        want = f"Linear(in_features=512, out_features={outputs}, bias=True)"
         head = getattr(agent, name, None)
-        if type(head) is not torch.nn.Linear or head.in_features != 512 or outputs not in (None, head.out_features):
-            return f"agent.{name} is {head!r}, the fused step computes Linear(512, {outputs or 'actions'})"
-    hooked = [name for name, m in agent.named_modules() if m._forward_hooks or m._forward_pre_hooks]
-    if hooked:
-        return f"{hooked[0] or 'agent'} has a forward hook, which the fused step does not run"
+        if type(head) is not nn.Linear or repr(head) != want:
+            got = repr(head) if type(head) is nn.Linear else type(head).__name__
+            return f"agent.{name} is {got}, the fused step computes {want}"
+    if type(agent).__call__ is not nn.Module.__call__:
+        return "Agent.__call__ is overridden"
+    if not _is_fused_forward(type(agent)):
+        return "Agent.forward is not the fused step's (kernels.FUSED_FORWARD)"
+    for name, module in agent.named_modules():
+        where = f"agent.{name}" if name else "the agent"
+        if "forward" in vars(module):
+            return f"{where} has a forward of its own"
+        if name and type(module) not in _LAYER_FORWARD:
+            return f"{where} is a {type(module).__qualname__} from {type(module).__module__}, not torch's layer"
+        if name and _LAYER_FORWARD[type(module)] is not type(module).forward:
+            return f"{where}'s class {type(module).__name__} has an edited forward"
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"{where} has a forward hook, which the fused step does not run"
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return "a global forward hook is registered, which the fused step does not run"
+    expected = {f"{m}.{p}" for m in ("network.0", "network.2", "network.4", "network.7", "actor", "critic")
+                for p in ("weight", "bias")}  # fmt: skip
+    extra = [name for name, _ in agent.named_parameters() if name not in expected]
+    if extra:
+        return f"agent.{extra[0]} is a parameter the fused step does not read"
+    buffers = [name for name, _ in agent.named_buffers()]
+    if buffers:
+        return f"agent.{buffers[0]} is a buffer the fused step does not read"
     return None
 
 
@@ -769,12 +832,65 @@ class PolicyMismatch(ValueError):
     """The rollout's step would not sample from the policy the learner trains."""
 
 
-def probe_mismatch(step, agent, frames, dtype, tolerance):
+def _close(a, b, tolerance):
+    """Every element within tolerance * (1 + |b|) (NaN is never close)."""
+    return bool(((a.float() - b.float()).abs() <= tolerance * (1 + b.float().abs())).all())
+
+
+@torch.no_grad()
+def forward_problem(agent, frames, num_actions):
+    """Why the rollout could not sample from agent.forward at all, or None: its outputs break
+    the contract (logits [B, A], value [B] or [B, 1]), differ between two calls on the same
+    frames (a random layer), or depend on the other frames of the batch (BatchNorm in train
+    mode). Checked in float32; the run's random streams are left as they were."""
+    n, device = len(frames), frames.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        first = agent(frames)
+        shape = lambda out: "x".join(map(str, out.shape)) if isinstance(out, torch.Tensor) else type(out).__name__  # noqa: E731
+        if not isinstance(first, (tuple, list)) or len(first) != 2:
+            return f"Agent.forward must return (logits, value), it returned {shape(first)}"
+        logits, value = first
+        if shape(logits) != f"{n}x{num_actions}" or shape(value) not in (f"{n}", f"{n}x1"):
+            want = f"logits {n}x{num_actions} and a value {n} or {n}x1"
+            return f"Agent.forward must return {want} for {n} frames, it returned {shape(logits)} and {shape(value)}"
+        again = agent(frames)
+        mixed = agent(torch.cat([frames, 255 - frames]))  # the same frames in a batch with others
+    outputs = torch.cat([logits, value.view(n, 1)], 1)
+    if not _close(torch.cat([again[0], again[1].view(n, 1)], 1), outputs, 1e-6):
+        return "Agent.forward gives different outputs for the same frames (a random layer, such as dropout?)"
+    if not _close(torch.cat([mixed[0][:n], mixed[1].view(-1, 1)[:n]], 1), outputs, 1e-4):
+        return "Agent.forward's output for a frame depends on the other frames in its batch (BatchNorm?)"
+    return None
+
+
+@torch.no_grad()
+def learner_mismatch(agent, frames, num_actions):
+    """None if agent.get_action_and_value scores actions by forward()'s logits and returns its
+    value, else how far off it is: tried with forward's outputs replaced by logits that span
+    several units (at an untrained policy's almost equal logits, a temperature would not show)."""
+    n, device = len(frames), frames.device
+    generator = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(n, num_actions, generator=generator)).to(device)
+    value = torch.randn(n, 1, generator=generator).to(device)
+    action = torch.arange(n, device=device) % num_actions
+    agent.forward = lambda x: (logits, value)  # an instance attribute: __call__ runs it
+    try:
+        _, logprob, _, newvalue = agent.get_action_and_value(frames, action)
+    finally:
+        del agent.forward
+    expected = torch.log_softmax(logits, 1).gather(1, action[:, None])[:, 0]
+    gap = (logprob.float() - expected).abs().max().item()
+    if not gap <= 1e-4 or not _close(newvalue.view(-1), value.view(-1), 1e-6):
+        return f"its log-probs are {gap:.2g} from those of forward()'s logits, or its value is not forward()'s"
+    return None
+
+
+def probe_mismatch(step, agent, frames, dtype, tolerance, num_actions):
     """None if `step` (with policy_step's contract) gives, on these frames (uint8 stacks), the
     log-probs and values of agent.get_action_and_value for the actions it sampled, else how far
     apart they are. The learner's side runs as the update runs it (bf16 autocast in bf16)."""
     n, device = len(frames), frames.device
-    buf = inference_buffers(n, agent.actor.out_features, dtype, device)
+    buf = inference_buffers(n, num_actions, dtype, device)
     uniform = torch.rand(n, generator=torch.Generator().manual_seed(0)).to(device)
     action, logprob, value = (torch.empty(n, dtype=torch.long, device=device), torch.empty(n, device=device),
                               torch.empty(n, device=device))  # fmt: skip
@@ -788,34 +904,56 @@ def probe_mismatch(step, agent, frames, dtype, tolerance):
     return None
 
 
-def rollout_policy(choice, agent, dtype, frames):
+@torch.no_grad()
+def spread_copy(agent, frames):
+    """A float32 copy of a fused-layout agent with fresh random weights whose logits on `frames`
+    span several units, where two policies that differ show it."""
+    probe = copy.deepcopy(agent).float()
+    generator = torch.Generator().manual_seed(0)
+    for p in probe.parameters():
+        std = (2 / p[0].numel()) ** 0.5 if p.dim() > 1 else 0.1  # He for weights (fan-in)
+        p.copy_(std * torch.randn(p.shape, generator=generator))
+    logits, _ = probe(frames)
+    probe.actor.weight.mul_(3 / logits.std(1).mean().clamp(min=1e-6))  # about 3 units per row
+    return probe
+
+
+def rollout_policy(choice, agent, dtype, frames, num_actions):
     """The rollout's policy step for `agent`: the fused `policy_step` (choice "fused", or "auto"
-    when the agent is the network it mirrors and computes what get_action_and_value does on
-    `frames`), else `module_policy_step`, which runs the agent's own forward ("module").
-    Either way checked on `frames` against get_action_and_value: a step that would sample
-    from another policy than the learner's raises PolicyMismatch.
+    when `fused_mismatch` finds the agent to be the network it computes and the two agree on
+    `frames`: in float32 on a copy whose logits span several units, and in `dtype` on the agent
+    itself), else `module_policy_step`, which runs the agent's own forward ("module"). Either
+    way a step that would sample from another policy than the learner's raises PolicyMismatch.
 
     Returns .name ("fused" or "module"), .reason (why not fused, or None), .dtype, .step(buf,
     prev_obs, obs_out, uniform, action_out, logprob_out, value_out, shift) and .refresh(),
     which the script calls before each rollout (the fused step reads its own weight copy).
     """
+    problem = forward_problem(agent, frames, num_actions)
+    if problem is None and (mismatch := learner_mismatch(agent, frames, num_actions)):
+        problem = f"Agent.get_action_and_value: {mismatch}; get_action_and_value must sample from forward()'s logits"
+    if problem is not None:
+        raise PolicyMismatch(f"policy: {problem}")
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: cuDNN's order of sums at other batch sizes
-    reason = None if choice == "module" else fused_mismatch(agent)
+    reason = None if choice == "module" else fused_mismatch(agent, num_actions)
     if reason is None and choice != "module":
+        probe = spread_copy(agent, frames)
+        gap = probe_mismatch(functools.partial(policy_step, inference_weights(probe, torch.float32)), probe, frames,
+                             torch.float32, 1e-4, num_actions)  # fmt: skip
         weights = inference_weights(agent, dtype)
         step = functools.partial(policy_step, weights)
-        gap = probe_mismatch(step, agent, frames, dtype, tolerance)
-        reason = gap and f"the fused step and Agent.get_action_and_value give {gap}"
+        gap = gap or probe_mismatch(step, agent, frames, dtype, tolerance, num_actions)
+        reason = gap and f"the fused step and Agent.forward give {gap}"
         if reason is None:
             refresh = functools.partial(refresh_inference_weights, weights)
             return SimpleNamespace(name="fused", reason=None, dtype=dtype, step=step, refresh=refresh)
     if choice == "fused":
         raise PolicyMismatch(f"--policy fused: {reason}; use --policy auto or module")
     step = functools.partial(module_policy_step, agent)
-    gap = probe_mismatch(step, agent, frames, dtype, tolerance)
+    gap = probe_mismatch(step, agent, frames, dtype, tolerance, num_actions)
     if gap is not None:
         raise PolicyMismatch(
-            f"policy: Agent.forward (what the rollout samples from) and Agent.get_action_and_value (what the "
-            f"learner trains) give {gap}: get_action_and_value must sample from forward()'s logits"
+            f"policy: the rollout's step (Agent.forward) and Agent.get_action_and_value (what the learner "
+            f"trains) give {gap}: get_action_and_value must sample from forward()'s logits"
         )
     return SimpleNamespace(name="module", reason=reason, dtype=dtype, step=step, refresh=lambda: None)

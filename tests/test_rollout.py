@@ -22,7 +22,7 @@ def collect(agent, num_envs, num_batches, num_steps, iterations, seed):
     each rollout's storage and uniforms, copied."""
     T, N, cpu = num_steps, num_envs, torch.device("cpu")
     envs = utils.ThreadedAtariEnvs("Breakout-v5", N, num_batches, num_batches, seed)
-    policy = kernels.rollout_policy("fused", agent, torch.float32, utils.probe_frames("Breakout-v5", 2, cpu))
+    policy = kernels.rollout_policy("fused", agent, torch.float32, utils.probe_frames("Breakout-v5", 2, cpu), 4)
     storage = rollout_storage(T, N)
     driver = utils.resolve_driver("auto", cpu, num_batches)
     rollout = utils.BatchedRollout(envs, policy, **storage, driver=driver, cuda_graphs=False)
