@@ -167,7 +167,8 @@ class Agent(nn.Module):
 
     def get_action_and_value(self, x, action=None):
         logits, value = self(x)
-        probs = Categorical(logits=logits, validate_args=False)  # NaNs reach the non-finite checks
+        # float32 as the rollout's sampler, whatever forward() returns; NaNs reach the non-finite checks
+        probs = Categorical(logits=logits.float(), validate_args=False)
         if action is None:
             action = probs.sample()
         return action, probs.log_prob(action), probs.entropy(), value
@@ -190,11 +191,12 @@ def gae(rewards, values, dones, gamma, gae_lambda):
     return advantages, advantages + values[:-1]
 
 
-def update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dtype):
+def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, dtype):
     """Stable-Baselines3's A2C update: one gradient step on the whole batch.
 
-    Returns the value, policy and entropy losses (a device tensor [3]) and a device bool: is the
-    loss non-finite. Never syncs with the host.
+    Returns the value, policy and entropy losses and the mean |newlogprob - b_logprobs| (how far
+    the rollout's log-probs are from the learner's, for the same weights), a device tensor [4],
+    and a device bool: is the loss non-finite. Never syncs with the host.
     """
     if args.norm_adv:
         b_advantages = (b_advantages - b_advantages.mean()) / (b_advantages.std() + 1e-8)
@@ -217,7 +219,8 @@ def update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dt
     loss.backward()
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
     optimizer.step()
-    return torch.stack([v_loss, pg_loss, entropy_loss]).detach(), nonfinite
+    logprob_gap = (newlogprob - b_logprobs).abs().mean()
+    return torch.stack([v_loss, pg_loss, entropy_loss, logprob_gap]).detach(), nonfinite
 
 
 def parse_args() -> Args:
@@ -271,7 +274,8 @@ if __name__ == "__main__":
     num_actions = utils.num_actions(args.env_id)  # the game's minimal action set, as the envs use it
     agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
     try:
-        policy = kernels.rollout_policy(args.policy, agent, dtype, utils.probe_frames(args.env_id, batch, device))
+        frames = utils.probe_frames(args.env_id, batch, device)  # real frame stacks
+        policy = kernels.rollout_policy(args.policy, agent, dtype, frames, num_actions)
     except kernels.PolicyMismatch as e:
         utils.fail(str(e))
     envs_text = utils.rollout_text(args, threads_per_batch, first_core, driver, graphs, policy)
@@ -361,21 +365,28 @@ if __name__ == "__main__":
             # flatten the batch
             b_obs = obs[:T].reshape((-1, 4, 84, 84))
             b_actions = actions[:T].reshape(-1)
+            b_logprobs = logprobs[:T].reshape(-1)
             b_advantages = advantages.reshape(-1)
             b_returns = returns.reshape(-1)
 
             # ALGO LOGIC: one gradient step on the whole batch (update, above)
-            losses, nonfinite = update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dtype)
+            losses, nonfinite = update(
+                agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, dtype
+            )
             with torch.no_grad():  # summed until the next log line, no sync
-                stats += losses
+                stats += losses[:3]
                 interval_values[logged_iterations].copy_(values[:T])
                 interval_returns[logged_iterations].copy_(returns)
                 logged_iterations += 1
 
         # TRY NOT TO MODIFY: record losses for plotting purposes, every --log-interval iterations;
-        # the non-finite check every iteration (checkpoints check the weights themselves, below)
-        if bool(nonfinite):
+        # every iteration (one sync) the non-finite check and the guard: did the rollout sample the
+        # policy the learner trains? (checkpoints check the weights themselves, below)
+        diverged, logprob_gap = torch.stack([nonfinite.float(), losses[3]]).tolist()
+        if diverged:
             utils.fail_diverged("non-finite loss", iteration, run_dir / "checkpoint.pt", writer, envs)
+        writer.add_scalar("losses/rollout_logprob_gap", logprob_gap, global_step)
+        utils.check_logprob_gap(logprob_gap, precision, iteration, run_dir / "checkpoint.pt", writer, envs)
         if iteration % args.log_interval == 0 or iteration == args.num_iterations:
             v_loss, pg_loss, entropy_loss = (stats / logged_iterations).tolist()
             y_pred = interval_values[:logged_iterations].cpu().numpy()

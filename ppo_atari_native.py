@@ -146,7 +146,8 @@ class Agent(nn.Module):
 
     def get_action_and_value(self, x, action=None):
         logits, value = self(x)
-        probs = Categorical(logits=logits, validate_args=False)  # NaNs reach the non-finite checks
+        # float32 as the rollout's sampler, whatever forward() returns; NaNs reach the non-finite checks
+        probs = Categorical(logits=logits.float(), validate_args=False)
         if action is None:
             action = probs.sample()
         return action, probs.log_prob(action), probs.entropy(), value
@@ -195,7 +196,9 @@ def parse_args() -> Args:
 def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, args, dtype, world_size):
     """CleanRL's PPO update, shuffled by torch's RNG; only target_kl syncs with the host. Returns, on
     the device, stats [8] (the last minibatch's value, policy and entropy losses, old_approx_kl,
-    approx_kl; the clip fractions' sum and count) and whether any loss was non-finite."""
+    approx_kl; the clip fractions' sum and count; the first minibatch's mean |log-ratio|, before
+    any step: how far the rollout's log-probs are from the learner's) and whether any loss was
+    non-finite."""
     device = b_obs.device
     stats = torch.zeros(8, device=device)
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)
@@ -214,6 +217,8 @@ def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_retur
                 old_approx_kl = (-logratio).mean()
                 approx_kl = ((ratio - 1) - logratio).mean()
                 clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+                if epoch == 0 and start == 0:  # the same weights acted: only rounding may differ
+                    stats[7] = logratio.abs().mean()
 
             mb_advantages = b_advantages[mb_inds]
             if args.norm_adv:
@@ -308,7 +313,8 @@ if __name__ == "__main__":
     num_actions = utils.num_actions(args.env_id)  # the game's minimal action set, as the envs use it
     agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
     try:
-        policy = kernels.rollout_policy(args.policy, agent, dtype, utils.probe_frames(args.env_id, batch, device))
+        frames = utils.probe_frames(args.env_id, batch, device)  # real frame stacks
+        policy = kernels.rollout_policy(args.policy, agent, dtype, frames, num_actions)
     except kernels.PolicyMismatch as e:
         utils.fail(str(e))
     if rank == 0:
@@ -413,8 +419,8 @@ if __name__ == "__main__":
             if args.update_epochs > 0:  # nor may the next rollout sample from non-finite outputs
                 nonfinite |= utils.nonfinite_policy(agent, obs[T])
 
-        if distributed:  # every rank stops, or diverges, together
-            nonfinite = utils.agree(stop, nonfinite, device)
+        if distributed:  # every rank stops, diverges or fails the guard together
+            nonfinite, stats[7] = utils.agree(stop, nonfinite, stats[7])
 
         # TRY NOT TO MODIFY: record losses for plotting purposes (one sync)
         writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
@@ -423,7 +429,7 @@ if __name__ == "__main__":
                 utils.fail_diverged(
                     "non-finite loss, weights or outputs", iteration, run_dir / "checkpoint.pt", writer, envs
                 )
-            v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfracs, count, _ = stats.tolist()
+            v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfracs, count, logprob_gap = stats.tolist()
             y_pred, y_true = b_values.cpu().numpy(), b_returns.cpu().numpy()
             var_y = np.var(y_true)
             explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
@@ -434,6 +440,9 @@ if __name__ == "__main__":
             writer.add_scalar("losses/approx_kl", approx_kl, global_step)
             writer.add_scalar("losses/clipfrac", clipfracs / count, global_step)
             writer.add_scalar("losses/explained_variance", explained_var, global_step)
+            writer.add_scalar("losses/rollout_logprob_gap", logprob_gap, global_step)
+            # the guard: did the rollout sample the policy the learner trains?
+            utils.check_logprob_gap(logprob_gap, precision, iteration, run_dir / "checkpoint.pt", writer, envs)
         writer.add_scalar("charts/SPS", progress.sps(global_step), global_step)
         if rank == 0:
             print(progress.line(iteration, args.num_iterations, global_step), flush=True)

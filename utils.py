@@ -692,16 +692,18 @@ def all_reduce_gradients(parameters, world_size):
         offset += g.numel()
 
 
-def agree(stop, nonfinite, device: torch.device):
-    """Under torchrun, every rank stops, or diverges, when any rank does: sets `stop` where another
-    rank was signalled and returns whether any rank's `nonfinite` was set."""
+def agree(stop, nonfinite, logprob_gap):
+    """Under torchrun, every rank stops, diverges or fails the guard when any rank does: sets `stop`
+    where another rank was signalled; returns whether any rank's `nonfinite` was set, and the
+    largest `logprob_gap` (device tensors)."""
     import torch.distributed as dist
 
-    flags = torch.stack([torch.tensor(float(bool(stop)), device=device), nonfinite.float()])
+    device = logprob_gap.device
+    flags = torch.stack([torch.tensor(float(bool(stop)), device=device), nonfinite.float(), logprob_gap.float()])
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     if flags[0] > 0 and not stop:
         stop.received = "a signal on another rank"
-    return flags[1] > 0
+    return flags[1] > 0, flags[2]
 
 
 def finish_distributed(agent, rank: int, world_size: int):
@@ -999,6 +1001,11 @@ def stopped_message(stop, global_step, checkpoint_path) -> str:
     return f"stopped by {stop.received} at step {global_step:,}; resume with: {command}"
 
 
+# The run-long guard: the largest mean |difference| between the rollout's stored log-probs and
+# the learner's, for the same weights and actions, that rounding explains (README, "The guard").
+LOGPROB_GAP_BOUND = {"fp32": 1e-3, "bf16": 2e-2}
+
+
 def all_finite(module: torch.nn.Module) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in module.parameters())
 
@@ -1011,6 +1018,15 @@ def nonfinite_policy(agent, obs) -> torch.Tensor:
     _, logprob, entropy, value = agent.get_action_and_value(obs, actions)
     weights = torch.stack([torch.isfinite(p).all() for p in agent.parameters()]).all()
     return ~(weights & torch.isfinite(torch.cat([logprob, entropy, value.view(-1)])).all())
+
+
+def check_logprob_gap(gap: float, precision: str, iteration: int, checkpoint_path, *to_close):
+    """The run-long guard: stop as fail_diverged does where the rollout's log-probs are farther
+    from the learner's (same weights, same actions) than rounding explains."""
+    bound = LOGPROB_GAP_BOUND[precision]
+    if not gap <= bound:
+        what = f"the rollout sampled another policy than the learner's (log-probs {gap:.2g} apart, bound {bound:g})"
+        fail_diverged(what, iteration, checkpoint_path, *to_close)
 
 
 def fail_diverged(what: str, iteration: int, checkpoint_path, *to_close):

@@ -453,9 +453,11 @@ def test_a2c_updates_equal_stable_baselines3(changes):
     b_advantages, b_returns = advantages.flatten(), returns.flatten()
     updates = []
     for _ in range(2):
-        losses, nonfinite = a2c.update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, torch.float32)
+        losses, nonfinite = a2c.update(
+            agent, optimizer, b_obs, b_actions, data.logprobs.flatten(), b_advantages, b_returns, args, torch.float32
+        )
         assert not nonfinite
-        updates.append(dict(zip(["v_loss", "pg_loss", "entropy"], losses.tolist())))
+        updates.append(dict(zip(["v_loss", "pg_loss", "entropy"], losses[:3].tolist())))
     weights_before = [weights] + [step["params"] for step in steps]
     expected = reference_a2c(weights_before, reference_batch(data, gamma, lam), args, updates=2)
     after = rmsprop_tf_steps(weights_before, [step["clipped"] for step in steps], args)
@@ -480,7 +482,8 @@ def test_a_non_finite_loss_is_reported(script):
     args = ppo_args(update_epochs=2, num_minibatches=2)
     if script == "a2c":
         args = SimpleNamespace(**A2C_ARGS)
-        _, nonfinite = a2c.update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, torch.float32)
+        batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns)
+        _, nonfinite = a2c.update(agent, optimizer, *batch, args, torch.float32)
         assert nonfinite
     elif script == "native":
         batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values)

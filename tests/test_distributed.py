@@ -86,15 +86,16 @@ def agree_on_rank(rank, world_size, init_file, out_dir, stopped_rank, diverged_r
     stop = utils.StopSignal(out_dir / "checkpoint.pt")
     stop.received = "SIGINT" if rank == stopped_rank else None
     nonfinite = torch.tensor(rank == diverged_rank)
-    result = utils.agree(stop, nonfinite, torch.device("cpu"))
-    torch.save({"received": stop.received, "nonfinite": bool(result)}, out_dir / f"rank{rank}.pt")
+    nonfinite, gap = utils.agree(stop, nonfinite, torch.tensor(0.5 * rank))
+    torch.save({"received": stop.received, "nonfinite": bool(nonfinite), "gap": float(gap)}, out_dir / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("stopped_rank, diverged_rank", [(1, None), (None, 0), (None, None)])
 def test_every_rank_stops_or_diverges_when_one_does(stopped_rank, diverged_rank, tmp_path):
     """utils.agree, each iteration under torchrun: a signal on one rank stops them all (after
-    the update, in lockstep), and a non-finite loss on one rank stops them all."""
+    the update, in lockstep), a non-finite loss on one rank stops them all, and every rank sees the
+    largest log-prob gap, so that the guard stops them all."""
     world_size = 2
     mp.spawn(
         agree_on_rank, args=(world_size, tmp_path / "init", tmp_path, stopped_rank, diverged_rank), nprocs=world_size
@@ -102,4 +103,4 @@ def test_every_rank_stops_or_diverges_when_one_does(stopped_rank, diverged_rank,
     for rank in range(world_size):
         seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         expected = None if stopped_rank is None else "SIGINT" if rank == stopped_rank else "a signal on another rank"
-        assert seen == {"received": expected, "nonfinite": diverged_rank is not None}
+        assert seen == {"received": expected, "nonfinite": diverged_rank is not None, "gap": 0.5 * (world_size - 1)}
