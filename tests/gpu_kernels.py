@@ -2,8 +2,8 @@
 float64, at batch sizes 1 to 8,192, in fp32 and bf16, at storage offsets that change the
 pointers' 16-byte alignment (Triton specializes on it). Run by tests/test_gpu.py in a fresh
 process, because a test module that sets TRITON_INTERPRET=1 makes every kernel of its
-process an interpreted one. Also runnable alone: python tests/gpu_kernels.py
-Prints one line per check and exits 1 if any failed.
+process an interpreted one. Also runnable alone: python tests/gpu_kernels.py [fp32] [bf16]
+(both by default; bf16 only from sm_80). Prints one line per check and exits 1 if any failed.
 
 Each check holds a kernel to what it is specified to compute (kernels.py's docstrings), so the
 same checks run on CPU against the torch references (tests/test_gpu_kernel_checks.py).
@@ -139,8 +139,14 @@ def main():
     device = torch.device("cuda")
     cc = kernels.capability(device)
     print(f"{torch.cuda.get_device_name()} (sm_{cc}), torch {torch.__version__}, triton {kernels.triton.__version__}")
+    # one dtype per process (fp32 or bf16) lets the GPU tier run both at once
+    names = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if any(arg not in names for arg in sys.argv[1:]):
+        print(f"usage: python tests/gpu_kernels.py [{' | '.join(names)}]...", file=sys.stderr)
+        sys.exit(2)
+    dtypes = [dtype for dtype in aot.dtypes(cc) if not sys.argv[1:] or dtype in {names[a] for a in sys.argv[1:]}]
     failures = []
-    for name, ok, detail in run(device, aot.dtypes(cc)):
+    for name, ok, detail in run(device, dtypes):
         print(f"{'ok  ' if ok else 'FAIL'} {name} {detail}", flush=True)
         if not ok:
             failures.append(name)
