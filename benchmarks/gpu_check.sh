@@ -31,7 +31,7 @@ preflight_only=0
 python=${PYTHON:-python3}
 venv=${GPU_CHECK_VENV:-.venv-gpu}
 export PYTHONUNBUFFERED=1
-RESERVE=60 # seconds kept back at the end: a section's 20 s kill grace and the report's 40 s
+RESERVE=60 # seconds kept back at the end: a part's 20 s kill grace, the report's 30 s (+10 s kill grace)
 
 usage() {
     echo "gpu_check: $* (usage: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight])" >&2
@@ -73,7 +73,7 @@ finish() {  # on every exit after the arguments are read: the report, then the e
     trap - EXIT
     if [ "$preflight_only" -eq 0 ]; then
         if ! command -v "$python" >/dev/null ||
-            ! limited 40 "$python" benchmarks/gpu_report.py "$work" "$report" "$(($(date +%s) - start))" 2>"$work/report.log"; then
+            ! limited 30 "$python" benchmarks/gpu_report.py "$work" "$report" "$(($(date +%s) - start))" 2>"$work/report.log"; then
             plain_report
         fi
     fi
