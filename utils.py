@@ -260,15 +260,16 @@ def warm_up(step, num_steps, num_batches, streams):
 def capture_graphs(step, num_steps, num_batches, streams):
     """A CUDA graph of step(t, b) for every step and batch (step touches fixed addresses, so a
     replay is a run); returns replay(t, b). A batch's graphs share a memory pool: they replay
-    one after another on its stream. Captured on a side stream after a warm_up."""
+    one after another on its stream. Captured after a warm_up, each batch on its own stream:
+    cuBLAS keys its workspace by (handle, stream), so graphs captured on one stream would share
+    one workspace while different batches replay at once (docs/rollout.md, "CUDA graphs")."""
     graphs = [[None] * num_batches for _ in range(num_steps)]
-    capture_stream = torch.cuda.Stream(streams[0].device)
     torch.cuda.synchronize()
     for b in range(num_batches):
         pool = torch.cuda.graph_pool_handle()
         for t in range(num_steps):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(capture_stream):  # (torch.cuda.graph() would collect garbage per graph)
+            with torch.cuda.stream(streams[b]):  # (torch.cuda.graph() would collect garbage per graph)
                 graph.capture_begin(pool=pool)
                 step(t, b)
                 graph.capture_end()

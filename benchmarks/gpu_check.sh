@@ -2,11 +2,26 @@
 # One command for a GPU machine: the GPU test tier (pytest -m cuda), the speed targets side by
 # side (benchmarks/gpu_targets.py), the fused kernels against eager (benchmarks/kernels.py) and
 # a short sweep (benchmarks/gpu_sweep.py --quick), written to one markdown report within a
-# 10-minute budget (a part that would not fit is reported as not run).
+# 10-minute budget. The report is written however the run ends (the preflight stops, a part
+# fails or runs out of time, Ctrl-C), starting with the machine's own versions and saying for
+# each part whether it ran, stopped at its limit or did not run and why (benchmarks/gpu_report.py).
 # A GPU image's own torch and triton are kept: only missing requirements are installed, from a
 # folder of wheels (--wheels DIR, no network needed) into a venv that sees the image's packages.
 # A preflight stops with one line naming what is missing before anything runs.
 # Run: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight]
+# (--preflight runs only the preflight and writes no report; bad arguments exit 2, no report.)
+#
+# Timeline on a 16-core H100, estimated from the parts' sizes (limits in brackets):
+#   preflight          10-20 s, 40-60 s when it makes the venv and installs wheels
+#   Triton warm-up     20-40 s [90]: ~25 kernel specializations and their launchers, once
+#   GPU tier          120-170 s [240]: 4 pytest-xdist workers of 4 cores each; the longest
+#                      tests are the two headline runs (4 scripts each) and gpu_kernels bf16
+#   targets            90-120 s [150]: 8 script runs of 3 iterations
+#   kernels            20-35 s [45]
+#   sweep              40-55 s [60]: cells started within 30 s
+#   report              5 s
+# in all about 5-8 minutes (6.5 expected), so at least 2 minutes to spare; a part that would not
+# fit in what is left of the 10 minutes is shortened or reported as not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -16,11 +31,8 @@ preflight_only=0
 python=${PYTHON:-python3}
 venv=${GPU_CHECK_VENV:-.venv-gpu}
 export PYTHONUNBUFFERED=1
+RESERVE=60 # seconds kept back at the end: a part's 20 s kill grace, the report's 30 s (+10 s kill grace)
 
-stop() {  # one line on stderr, then exit 1: the machine lacks something
-    echo "gpu_check: $*" >&2
-    exit 1
-}
 usage() {
     echo "gpu_check: $* (usage: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight])" >&2
     exit 2
@@ -34,6 +46,45 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ -z "$wheels" ] || [ -d "$wheels" ] || usage "--wheels $wheels: no such folder"
+
+work=$(mktemp -d)
+limited() {  # seconds, command...: under timeout where coreutils has it (the preflight checks for it)
+    local seconds=$1
+    shift
+    if command -v timeout >/dev/null; then timeout -k 10 "$seconds" "$@"; else "$@"; fi
+}
+plain_report() {  # the report when no Python can write it: what the script itself knows
+    local name
+    mkdir -p "$(dirname "$report")" 2>/dev/null
+    {
+        echo "# GPU check, $(date '+%Y-%m-%d %H:%M')"
+        echo
+        echo "benchmarks/gpu_report.py could not run with $python; what the script knows:"
+        echo
+        if [ -s "$work/stopped" ]; then echo "- preflight: stopped: $(<"$work/stopped")"; else echo "- preflight: passed"; fi
+        for name in warm tier targets kernels sweep; do
+            if [ -s "$work/$name.status" ]; then echo "- $name: $(<"$work/$name.status")"; else echo "- $name: not run"; fi
+        done
+    } >"$report"
+    echo "report: $report"
+}
+finish() {  # on every exit after the arguments are read: the report, then the exit code
+    local code=$?
+    trap - EXIT
+    if [ "$preflight_only" -eq 0 ]; then
+        if ! command -v "$python" >/dev/null ||
+            ! limited 30 "$python" benchmarks/gpu_report.py "$work" "$report" "$(($(date +%s) - start))" 2>"$work/report.log"; then
+            plain_report
+        fi
+    fi
+    exit "$code"
+}
+trap finish EXIT
+stop() {  # one line on stderr, then exit 1: the machine lacks something (the report says what)
+    echo "gpu_check: $*" >&2
+    echo "$*" >"$work/stopped"
+    exit 1
+}
 command -v "$python" >/dev/null || stop "no $python on PATH (set PYTHON=...)"
 
 # the requirements not importable by $python, pinned as in requirements.txt
@@ -50,30 +101,44 @@ need=$(missing "$python") || stop "$python cannot run"
 if [ -n "$need" ]; then
     [ -n "$wheels" ] || stop "missing $need: install them, or pass --wheels DIR (a folder of cp312 wheels, see README)"
     # a venv that sees the image's torch and triton (a PEP 668 system Python refuses installs):
-    # --system-site-packages for a system Python, a .pth for one that is itself a venv's
-    if [ ! -x "$venv/bin/python" ]; then
-        "$python" -m venv --system-site-packages "$venv" || stop "could not create $venv"
+    # --system-site-packages for a system Python, a .pth for one that is itself a venv's. A
+    # Python without ensurepip (Debian's without python3-venv) gets a venv without pip of its
+    # own, which runs the image's pip; a venv without its marker was left half made: made again.
+    if [ ! -f "$venv/gpu_check.ready" ]; then
+        own_pip=--without-pip
+        "$python" -c "import ensurepip" 2>/dev/null && own_pip=""
+        # shellcheck disable=SC2086
+        limited 120 "$python" -m venv --clear --system-site-packages $own_pip "$venv" >"$work/venv.log" 2>&1 ||
+            stop "could not create $venv: $(tail -n1 "$work/venv.log")"
         site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
         "$python" -c 'import site; print("\n".join(site.getsitepackages()))' >"$site/gpu_check_base.pth"
+        "$venv/bin/python" -m pip --version >/dev/null 2>&1 ||
+            stop "no pip for $venv: $python has neither ensurepip nor pip (install python3-venv or python3-pip)"
+        : >"$venv/gpu_check.ready"
     fi
     python=$venv/bin/python
     need=$(missing "$python")
     if [ -n "$need" ]; then
         echo "installing from $wheels: $need"
-        log=$(mktemp)
         # shellcheck disable=SC2086
-        "$python" -m pip install -q --no-index --find-links "$wheels" $need >"$log" 2>&1 ||
-            stop "could not install $need from $wheels: $(grep -m1 -E 'ERROR|error' "$log")"
+        limited 240 "$python" -m pip install -q --no-index --find-links "$wheels" $need >"$work/pip.log" 2>&1 ||
+            stop "could not install $need from $wheels: $(grep -m1 -E 'ERROR|error' "$work/pip.log")"
     fi
 fi
-# what Triton needs at its first launch: a C compiler and Python's headers for its launcher
-command -v gcc >/dev/null || command -v cc >/dev/null || command -v clang >/dev/null ||
-    stop "no C compiler (gcc, cc or clang): Triton builds its launcher with one at the first launch"
+# what Triton needs at its first launch: a C compiler, found as Triton finds one ($CC, else
+# gcc, else clang: a bare cc is never tried), and Python's headers for its launcher
+if [ -n "${CC:-}" ]; then
+    command -v "$CC" >/dev/null || stop "CC=$CC is not a command: Triton builds its launcher with \$CC at the first launch"
+else
+    command -v gcc >/dev/null || command -v clang >/dev/null ||
+        stop "no C compiler that Triton finds (\$CC, gcc or clang; for cc set CC=cc): it builds its launcher with one at the first launch"
+fi
 "$python" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' ||
     stop "no Python.h for $python (install python3-dev): Triton builds its launcher against it"
+command -v timeout >/dev/null && command -v tee >/dev/null || stop "no timeout or tee (coreutils): every part runs under them"
 err=$("$python" -c "import gymnasium, ale_py, tyro, tensorboard, cv2, pytest, triton" 2>&1) ||
     stop "$python cannot import what the tests need: $(tail -n1 <<<"$err")"
-"$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" ||
+limited 120 "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" ||
     stop "no CUDA GPU visible to torch; nothing to check"
 "$python" -c "from triton.backends.nvidia.driver import libcuda_dirs; libcuda_dirs()" 2>/dev/null ||
     stop "Triton cannot find libcuda.so.1 (ldconfig -p, or set TRITON_LIBCUDA_PATH)"
@@ -81,79 +146,63 @@ if [ "$preflight_only" -eq 1 ]; then
     echo "gpu_check: preflight passed ($python)"
     exit 0
 fi
+echo "$(($(date +%s) - start))" >"$work/preflight.seconds"
 
-work=$(mktemp -d)
-# a cold Triton cache, so that the tier's time is what a fresh machine pays
+interrupted() {  # Ctrl-C or SIGTERM: the running part's process group (timeout leads its own) gets
+    # SIGINT too, and the report says the part did not finish
+    [ -s "$work/running.pid" ] && kill -INT -- "-$(<"$work/running.pid")" 2>/dev/null
+    exit 130
+}
+trap interrupted INT TERM
+
+# a cold Triton cache, compiled once by the warm-up, then shared by every part
 export TRITON_CACHE_DIR=$work/triton-cache
-left() { echo $((600 - ($(date +%s) - start))); }
-section() {  # name, seconds it may take, command...: runs it if the budget allows, output to $work/name
+left() { echo $((600 - RESERVE - ($(date +%s) - start))); }
+section() {  # name, seconds it may take, command...: runs it within what is left of the budget;
+    # its output, limit, seconds, exit code and status (what the report says of it) go to $work
     local name=$1 limit=$2
     shift 2
-    local budget began
+    local budget began code
     budget=$(left)
-    if [ "$budget" -lt 60 ]; then
-        echo "not run: the 10-minute budget was spent" >"$work/$name"
-        return
+    if [ "$budget" -lt 20 ]; then
+        echo "not run: the 10-minute budget was spent" >"$work/$name.status"
+        return 0
     fi
-    # SIGINT, not SIGTERM, so that pytest still prints its summary; -k 30 kills what ignores it
-    [ "$limit" -gt "$((budget - 45))" ] && limit=$((budget - 45))
+    [ "$limit" -gt "$budget" ] && limit=$budget
+    echo "$limit" >"$work/$name.limit"
     echo "== $name (at most ${limit}s)"
+    echo running >"$work/$name.status"
     began=$(date +%s)
-    timeout -s INT -k 30 "$limit" "$@" 2>&1 | tee "$work/$name"
-    local code=${PIPESTATUS[0]}
-    [ "$code" -eq 124 ] || [ "$code" -eq 137 ] && echo "(stopped at its ${limit}s limit)" >>"$work/$name"
+    # SIGINT, not SIGTERM, so that pytest still prints its summary; -k 20 kills what ignores it.
+    # In the background and waited for, so that a Ctrl-C or SIGTERM reaches `interrupted` at once.
+    {
+        timeout -s INT -k 20 "$limit" "$@" 2>&1 &
+        echo $! >"$work/running.pid"
+        wait $!
+        echo $? >"$work/$name.code"
+    } | tee "$work/$name" &
+    wait $!
+    rm -f "$work/running.pid"
+    code=$(<"$work/$name.code")
     echo "$(($(date +%s) - began))" >"$work/$name.seconds"
+    if [ "$code" -eq 124 ] || [ "$code" -eq 137 ]; then
+        echo "stopped at its ${limit}s limit" >"$work/$name.status"
+    else
+        echo ran >"$work/$name.status"
+    fi
     return 0
 }
 
-section tier 360 "$python" -m pytest -m cuda -q -rfE -p no:cacheprovider tests/test_gpu.py -k "not gpu_sweep"
-section targets 150 "$python" benchmarks/gpu_targets.py --iterations 4
-section kernels 45 "$python" benchmarks/kernels.py --no-aot
-section sweep 90 "$python" benchmarks/gpu_sweep.py --quick --time-limit 45
+# the tier on 4 pytest-xdist workers of 4 cores each (tests/test_gpu.py gives each its slice),
+# serially where xdist is missing or the machine has under 8 cores
+workers=$("$python" -c 'import os; print(min(4, len(os.sched_getaffinity(0)) // 4))')
+parallel=()
+[ "$workers" -ge 2 ] && "$python" -c "import xdist" 2>/dev/null && parallel=(-n "$workers")
 
-"$python" - "$work" "$report" "$(($(date +%s) - start))" <<'EOF'
-import os, pathlib, platform, subprocess, sys, time
-import torch, triton
-sys.path.insert(0, ".")
-import utils
-work, report, seconds = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
-read = lambda name: (work / name).read_text().rstrip() if (work / name).exists() else "not run"
-tier = read("tier").splitlines()
-summary = next((l for l in reversed(tier) if " passed" in l or " failed" in l or " error" in l), "no summary")
-failures = [l for l in tier if l.startswith(("FAILED", "ERROR"))]
-smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                     capture_output=True, text=True).stdout.strip()
-cores, whole = utils.usable_cores()
-out = [
-    f"# GPU check, {time.strftime('%Y-%m-%d %H:%M')}",
-    "",
-    f"- GPU: {torch.cuda.get_device_name()} ({smi or 'nvidia-smi not available'})",
-    f"- torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}, Python {platform.python_version()}",
-    f"- {cores} usable CPU cores of {os.cpu_count()}{'' if whole else ' (a cpuset or a CPU quota)'};"
-    f" `bash benchmarks/gpu_check.sh` took {seconds} s",
-    "",
-    f"## GPU test tier (`pytest -m cuda`, without the sweep test: the sweep is below), {read('tier.seconds')} s"
-    " from a cold Triton cache",
-    "",
-    f"{summary}",
-    *([""] + [f"- {l}" for l in failures] if failures else []),
-    "",
-    "## Speed targets (`python benchmarks/gpu_targets.py`)",
-    "",
-    read("targets"),
-    "",
-    "## Kernels (`python benchmarks/kernels.py --no-aot`)",
-    "",
-    "```",
-    read("kernels"),
-    "```",
-    "",
-    "## Sweep, quick grid (`python benchmarks/gpu_sweep.py --quick`)",
-    "",
-    read("sweep"),
-    "",
-]
-report.parent.mkdir(parents=True, exist_ok=True)
-report.write_text("\n".join(out))
-print(f"report: {report}")
-EOF
+section warm 90 "$python" benchmarks/triton_warm.py
+section tier 240 "$python" -m pytest -m cuda -q -rfE -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
+    tests/test_gpu.py -k "not gpu_sweep"
+section targets 150 "$python" benchmarks/gpu_targets.py --iterations 3
+section kernels 45 "$python" benchmarks/kernels.py --no-aot
+section sweep 60 "$python" benchmarks/gpu_sweep.py --quick --time-limit 30
+# the report: written by finish, on this exit as on any other

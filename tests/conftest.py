@@ -139,6 +139,17 @@ def profile_table(stdout):
     return header[0], progress, rows
 
 
+def worker_cores(worker, workers, cores):
+    """The cores pytest-xdist's worker `worker` ("gw0", "gw1", ...) of `workers` keeps to: an
+    equal slice of `cores`, the first slices a core larger where they do not divide evenly."""
+    cores, index = sorted(cores), int(worker.removeprefix("gw"))
+    q, r = divmod(len(cores), workers)
+    if q == 0:
+        return set(cores)  # fewer cores than workers: all share them
+    first = index * q + min(index, r)
+    return set(cores[first : first + q + (index < r)])
+
+
 @pytest.fixture
 def runs_dir(tmp_path):
     return tmp_path / "runs"

@@ -158,6 +158,48 @@ def test_warm_up_orders_every_batch_stream_after_the_default_stream(monkeypatch)
         assert ("wait", b, "default") in log[:first_step], log
 
 
+def test_each_batch_captures_its_graphs_on_its_own_stream(monkeypatch):
+    """cuBLAS keys its workspace by (handle, stream) and a graph bakes in its capture stream's
+    workspace: batches replay concurrently, so no two batches may capture on the same stream
+    (CUDA simulated: streams and graphs that log where each capture ran)."""
+    current, captured = [None], {}
+
+    class FakeStream:
+        def __init__(self, device=None):
+            self.device = torch.device("cuda", 0)
+
+    class FakeGraph:
+        def capture_begin(self, pool=None):
+            self.stream, self.pool = current[0], pool
+
+        def capture_end(self):
+            pass
+
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def on(stream):
+        before, current[0] = current[0], stream
+        yield
+        current[0] = before
+
+    def step(t, b):
+        captured[t, b] = current[0]
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    streams = [FakeStream() for _ in range(3)]
+    utils.capture_graphs(step, 2, 3, streams)
+    assert len(captured) == 6 and None not in captured.values()
+    for b in range(3):
+        assert captured[0, b] is captured[1, b], "a batch's graphs replay on one stream"
+    assert len({id(captured[0, b]) for b in range(3)}) == 3, "two batches captured on the same stream"
+
+
 @pytest.mark.parametrize(
     "driver, device, batches, resolved",
     [

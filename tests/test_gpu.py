@@ -33,6 +33,7 @@ from conftest import (
     run_script,
     script_env,
     stop_after_first_progress,
+    worker_cores,
 )
 
 pytestmark = [
@@ -44,6 +45,16 @@ HEADLINE = ["--env-id", "Breakout-v5", "--num-gpu-batches", "8"]
 TWO_ITERATIONS = ["--total-timesteps", str(2 * 16 * 128)]
 # cuBLAS picks its reduction order by workspace: this makes it the same in every run
 DETERMINISTIC = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def own_cores():
+    """Under pytest-xdist (gpu_check.sh runs this tier with -n), each worker and the scripts it
+    starts keep to their own slice of the cores, as under a cpuset: several runs would otherwise
+    each pin their env threads to the same cores (utils.env_threads pins only a whole machine)."""
+    worker, workers = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if worker and workers:
+        os.sched_setaffinity(0, worker_cores(worker, int(workers), os.sched_getaffinity(0)))
 
 
 def model_of(result):
@@ -106,11 +117,15 @@ def test_a_rollout_under_the_cuda_sanitizer_has_no_race(runs_dir):
     assert "data race" not in result.stderr.lower() and "CSAN" not in result.stderr, result.stderr[-4000:]
 
 
-def test_triton_kernels_compiled_for_this_gpu_equal_their_references():
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_triton_kernels_compiled_for_this_gpu_equal_their_references(precision):
+    if precision == "bf16" and torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("bf16 needs sm_80")
     env = script_env()
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "gpu_kernels.py")], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+        [sys.executable, str(ROOT / "tests" / "gpu_kernels.py"), precision], cwd=ROOT, env=env, capture_output=True,
+        text=True,
+    )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "all kernel checks passed" in result.stdout
 

@@ -3,24 +3,32 @@ preflight stops with one line naming what is missing (a requirement, a wheel, a 
 GPU) before any tier runs, and a benchmark never blocks on its child's output."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import venv
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, worker_cores
 
 CHECK = ROOT / "benchmarks" / "gpu_check.sh"
 
 
-def gpu_check(*args, python=sys.executable, path=None, venv_dir=None):
-    env = dict(os.environ, PYTHON=str(python), PATH=path or os.environ["PATH"])
+def gpu_check(*args, python=sys.executable, path=None, venv_dir=None, **env_vars):
+    """Run gpu_check.sh; its report goes to a temporary file (result.report), not the repository's."""
+    env = {name: value for name, value in os.environ.items() if name != "CC"}  # Triton's compiler choice
+    env.update(PYTHON=str(python), PATH=path or os.environ["PATH"], **env_vars)
     if venv_dir is not None:
         env["GPU_CHECK_VENV"] = str(venv_dir)
+    report = Path(tempfile.mkdtemp()) / "gpu_check.md"
+    if "--report" not in args:
+        args = (*args, "--report", report)
     result = subprocess.run(["bash", str(CHECK), *args], env=env, capture_output=True, text=True, timeout=300)
+    result.report = report
     return result, result.stderr.strip().splitlines()
 
 
@@ -61,15 +69,114 @@ def test_wheels_are_installed_from_the_folder_only(bare_python, tmp_path):
     assert seen.returncode == 0, seen.stderr
 
 
-def test_no_c_compiler_is_named_before_anything_runs(tmp_path):
-    """Triton builds its launcher with a C compiler at the first launch: without one, say so."""
+def bin_with(tmp_path, *tools):
+    """A PATH folder holding only these tools (and what the script needs to start)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("bash", "dirname", "date", "mktemp", "grep", "tail", "cat"):
+    for tool in ("bash", "dirname", "date", "mktemp", "grep", "tail", "cat", *tools):
         if shutil.which(tool):
             (bin_dir / tool).symlink_to(shutil.which(tool))
-    result, lines = gpu_check(path=str(bin_dir))
+    return str(bin_dir)
+
+
+def test_no_c_compiler_is_named_before_anything_runs(tmp_path):
+    """Triton builds its launcher with a C compiler at the first launch: without one, say so."""
+    result, lines = gpu_check(path=bin_with(tmp_path))
     assert result.returncode == 1 and len(lines) == 1 and "no C compiler" in lines[0], lines
+    assert "stopped: no C compiler" in result.report.read_text()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no cc here")
+def test_a_bare_cc_is_refused_like_no_compiler_unless_named_in_CC(tmp_path):
+    """Triton looks for $CC, then gcc, then clang (triton/runtime/build.py), never for cc."""
+    path = bin_with(tmp_path, "cc", "timeout", "tee")
+    result, lines = gpu_check(path=path)
+    assert result.returncode == 1 and len(lines) == 1 and "no C compiler" in lines[0], lines
+    result, lines = gpu_check(path=path, CC="cc")
+    assert not any("C compiler" in line for line in lines), lines
+
+
+def test_a_failing_preflight_still_writes_a_report_naming_why(bare_python):
+    """The report starts with what this machine has (here: no torch) and says, part by part,
+    that nothing ran because the preflight stopped, and why."""
+    result, lines = gpu_check(python=bare_python)
+    assert result.returncode == 1 and len(lines) == 1, lines
+    report = result.report.read_text()
+    assert "| preflight | - | stopped: missing torch==" in report, report
+    for title in ("Triton warm-up", "GPU test tier", "Speed targets", "Kernels", "Sweep, quick grid"):
+        assert re.search(rf"\| {title} \| - \| not run: the preflight stopped \(missing torch==", report), report
+    assert "- torch: cannot be imported (ModuleNotFoundError" in report and "- Python 3." in report, report
+    assert "torch (not installed)" in report, report
+
+
+def write_parts(work, parts):
+    for name, files in parts.items():
+        for suffix, text in files.items():
+            (work / f"{name}{suffix}").write_text(text)
+
+
+@pytest.mark.parametrize("smi", [None, "exit 1", "echo 580.65.06"])
+def test_the_report_needs_no_nvidia_smi_and_says_what_each_part_did(tmp_path, smi):
+    """No nvidia-smi on PATH (or a failing one) costs only the driver's version; every part
+    gets its line: ran, stopped at its limit, interrupted, or not run and why."""
+    work, bin_dir = tmp_path / "work", tmp_path / "bin"
+    work.mkdir()
+    bin_dir.mkdir()
+    if smi is not None:
+        (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    write_parts(work, {
+        "preflight": {".seconds": "12"},
+        "warm": {".status": "ran", ".seconds": "31", ".code": "0", ".limit": "90", "": "triton_warm: done"},
+        "tier": {".status": "stopped at its 240s limit", ".seconds": "240", ".code": "124", ".limit": "240",
+                 "": "FAILED tests/test_gpu.py::test_x - boom\n= 1 failed, 9 passed in 239.00s ="},
+        "targets": {".status": "running", ".limit": "150"},
+        "kernels": {".status": "not run: the 10-minute budget was spent"},
+    })  # fmt: skip
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.path.dirname(shutil.which('env'))}")
+    report = tmp_path / "out" / "gpu_check.md"
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_report.py"), str(work), str(report), "300"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = report.read_text()
+    assert ("- NVIDIA driver: 580.65.06" in text) == (smi == "echo 580.65.06"), text
+    assert "| preflight | - | passed (12 s) |" in text
+    assert "| Triton warm-up | 90 s | ran, 31 s, exit code 0 |" in text
+    assert (
+        "| GPU test tier | 240 s | stopped at its 240s limit, 240 s, exit code 124: 1 failed, 9 passed in 239.00s |"
+        in text
+    )
+    assert "- FAILED tests/test_gpu.py::test_x - boom" in text
+    assert "| Speed targets | 150 s | started, did not finish: the script was interrupted |" in text
+    assert "| Kernels | - | not run: the 10-minute budget was spent |" in text
+    assert "| Sweep, quick grid | - | not run: the script ended before it |" in text
+
+
+def test_a_python_without_ensurepip_gets_a_venv_that_runs_the_images_pip(tmp_path):
+    """Debian's Python without python3-venv has no ensurepip: the venv is made without pip of
+    its own and runs the base's pip (here pip in the base's site-packages, nothing else)."""
+    base = tmp_path / "base"
+    venv.create(base, with_pip=False)
+    base_python = base / "bin" / "python"
+    site = subprocess.run([base_python, "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    import pip
+
+    (Path(site) / "pip").symlink_to(Path(pip.__file__).parent)
+    no_ensurepip = tmp_path / "no_ensurepip"
+    (no_ensurepip / "ensurepip").mkdir(parents=True)
+    (no_ensurepip / "ensurepip" / "__init__.py").write_text("raise ImportError('ensurepip is disabled')\n")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    result, lines = gpu_check(
+        "--wheels", wheels, python=base_python, venv_dir=tmp_path / "v", PYTHONPATH=str(no_ensurepip)
+    )
+    # pip ran in the new venv: it looked in the folder and found no torch
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: could not install torch=="), lines
+    assert "ERROR" in lines[0], lines
+    made = tmp_path / "v" / "bin" / "python"
+    assert not list((tmp_path / "v").glob("lib/python*/site-packages/pip")), "the venv has a pip of its own"
+    assert subprocess.run([made, "-m", "pip", "--version"], capture_output=True).returncode == 0
 
 
 def test_bad_arguments_exit_2_with_one_line(tmp_path):
@@ -94,3 +201,35 @@ def test_a_benchmark_run_does_not_block_on_a_child_that_fills_stderr(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0 and result.stdout.strip() == "300", result.stderr[-2000:]
+
+
+def test_each_xdist_worker_of_the_gpu_tier_gets_its_own_cores():
+    """gpu_check.sh runs the tier on pytest-xdist workers; each keeps to a disjoint slice of the
+    cores (so its scripts see a cpuset, and utils.env_threads pins nothing)."""
+    slices = [worker_cores(f"gw{i}", 3, range(16)) for i in range(3)]
+    assert [len(s) for s in slices] == [6, 5, 5] and set().union(*slices) == set(range(16))
+    assert worker_cores("gw3", 4, range(16)) == {12, 13, 14, 15}
+    assert worker_cores("gw1", 4, range(2)) == {0, 1}  # fewer cores than workers: shared
+
+
+def test_the_readme_downloads_every_wheel_the_preflight_may_ask_for():
+    """The preflight installs what is missing from --wheels DIR with --no-index: a package that
+    the README's download command leaves out stops it (opencv-python-headless did)."""
+    script, readme = CHECK.read_text(), (ROOT / "README.md").read_text()
+    modules = re.search(r"modules = (\{.*?\})", script, re.S)[1]
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M))
+    command = readme[readme.index("pip download") : readme.index("```", readme.index("pip download"))]
+    for name in re.findall(r'"[a-z_0-9]+": "([a-z0-9-]+)"', modules):
+        if name in ("torch", "triton"):  # the image's own, named in the paragraph after the command
+            assert f"`torch=={pins['torch']} triton=={pins['triton']}`" in readme
+        else:
+            assert f"{name}=={pins[name]}" in command, name
+
+
+def test_the_triton_warm_up_runs_both_policy_steps_for_every_batch():
+    """benchmarks/triton_warm.py on CPU (the torch references stand in for the kernels): the
+    fused and the module step, for each batch, at t = 0 and t = 1."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import triton_warm
+
+    assert triton_warm.warm(torch.device("cpu"), [torch.float32], [(4, 2)]) == 2 * 2 * 2

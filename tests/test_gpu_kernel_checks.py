@@ -1,0 +1,60 @@
+"""tests/gpu_kernels.py's checks (the GPU tier's Triton test) run on CPU against kernels.py's
+torch references, which compute what the kernels are specified to: every check must pass on
+them, and must fail an output that breaks the specification."""
+
+import math
+
+import gpu_kernels
+import pytest
+import torch
+
+import kernels
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def references(monkeypatch):
+    """The wrappers call the torch references on CPU (test_kernels may have turned Triton on)."""
+    monkeypatch.setattr(kernels, "USE_TRITON_ON_CPU", False)
+
+
+def test_every_check_passes_on_the_references():
+    results = list(gpu_kernels.run(CPU, (torch.float32, torch.bfloat16), (1, 2, 17, 100), (4, 18), (1, 7)))
+    assert len(results) == 2 * (4 * (1 + 2 * 2) + 2 * 2)
+    failed = [(name, detail) for name, ok, detail in results if not ok]
+    assert not failed, failed
+
+
+def bf16_operands(B, seed):
+    g = torch.Generator().manual_seed(seed)
+    K, N = 3136, 512
+    x = torch.randn(B, K, generator=g).bfloat16()
+    w = (torch.randn(N, K, generator=g) / math.sqrt(K)).bfloat16()
+    return x, w, torch.randn(N, generator=g) * 0.5
+
+
+@pytest.mark.parametrize("B", [1, 2, 17])
+def test_bf16_linear_gelu_is_held_to_its_rounding_not_to_float32(B):
+    """bf16 output is rounded by specification (about 1e-2 off float64 at |y| of 2 to 4), so the
+    float32 rule (5e-5 against unrounded float64) fails even the reference; the bf16 rule
+    passes it and fails an output left unrounded, or one a bf16 step off."""
+    x, w, b = bf16_operands(B, seed=B)
+    out = kernels.linear_gelu(x, w, b)
+    unrounded = torch.nn.functional.gelu(x.double() @ w.double().T + b.double())
+    assert (out.double() - unrounded).abs().max() > gpu_kernels.FP32_TOLERANCE
+    assert gpu_kernels.check_linear_gelu(out, x, w, b)[0]
+    float32 = kernels.linear_gelu_reference(x.float(), w.float(), b)
+    assert not gpu_kernels.check_linear_gelu(float32, x, w, b)[0]
+    step_up = (out * (1 + 2**-7)).bfloat16().float()
+    assert not gpu_kernels.check_linear_gelu(step_up, x, w, b)[0]
+    far = out.clone()
+    far[0, out[0].abs().argmax()] *= 1 + 5 * 2**-7  # one output 5 steps off
+    assert not gpu_kernels.check_linear_gelu(far.bfloat16().float(), x, w, b)[0]
+
+
+def test_fp32_linear_gelu_keeps_float32_accuracy():
+    x, w, b = (t.float() for t in bf16_operands(3, seed=5))
+    out = kernels.linear_gelu(x, w, b)
+    assert gpu_kernels.check_linear_gelu(out, x, w, b)[0]
+    assert not gpu_kernels.check_linear_gelu(out + 1e-4, x, w, b)[0]
