@@ -804,7 +804,7 @@ def fused_mismatch(agent, num_actions):
     if type(agent).__call__ is not nn.Module.__call__:
         return "Agent.__call__ is overridden"
     if not _is_fused_forward(type(agent)):
-        return "Agent.forward is not the fused step's (kernels.FUSED_FORWARD)"
+        return "Agent.forward differs from kernels.FUSED_FORWARD"
     for name, module in agent.named_modules():
         where = f"agent.{name}" if name else "the agent"
         if "forward" in vars(module):

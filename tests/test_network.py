@@ -104,7 +104,7 @@ RESIDUAL = """class Residual(nn.Module):
 
 class Agent(nn.Module):"""
 RETURN = "            return self.actor(hidden), self.critic(hidden)"
-FORWARD_EDITED = "Agent.forward is not the fused step's (kernels.FUSED_FORWARD)"
+FORWARD_EDITED = "Agent.forward differs from kernels.FUSED_FORWARD"
 # The edits of issue-style reports: name -> (replacements, the first line's reason when the
 # general step runs them, or the one line a refusal prints)
 MORE_EDITS = {
