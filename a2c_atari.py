@@ -58,6 +58,8 @@ class Args:
     driver: Literal["auto", "single", "threads", "sequential"] = "auto"
     """who serves the env batches: single (one thread in turn), threads (one each), auto (CUDA: single; else
     threads), sequential (for debugging: one env thread, each batch stepped to completion, no overlap)"""
+    compile: bool = False
+    """compile the update's optimizer step with torch.compile (on CUDA replayed from CUDA graphs); docs/update.md"""
     profile: bool = False
     """trace iterations 2-4 with torch.profiler (trace.json, for Perfetto) and print a table of time per phase"""
     # Algorithm specific arguments
@@ -129,7 +131,11 @@ class RMSpropTF(torch.optim.Optimizer):
             torch._foreach_addcmul_(square_avgs, grads, grads, value=1 - alpha)
             denominators = torch._foreach_add(square_avgs, eps)
             torch._foreach_sqrt_(denominators)
-            torch._foreach_addcdiv_(params, grads, denominators, value=-lr)
+            if isinstance(lr, torch.Tensor):  # --compile: a tensor rate (addcdiv's value must be a number)
+                torch._foreach_div_(denominators, lr)
+                torch._foreach_addcdiv_(params, grads, denominators, value=-1.0)
+            else:
+                torch._foreach_addcdiv_(params, grads, denominators, value=-lr)
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -190,12 +196,13 @@ def gae(rewards, values, dones, gamma, gae_lambda):
     return advantages, advantages + values[:-1]
 
 
-def update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dtype):
-    """Stable-Baselines3's A2C update: one gradient step on the whole batch.
+def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, dtype):
+    """Stable-Baselines3's A2C update: one gradient step on the whole batch (--compile compiles it).
 
-    Returns the value, policy and entropy losses (a device tensor [3]) and a device bool: is the
-    loss non-finite. Never syncs with the host.
+    Returns a device tensor [4]: the value, policy and entropy losses and the mean |log-prob -
+    rollout's log-prob|; and a device bool: is the loss non-finite. Never syncs with the host.
     """
+    optimizer.zero_grad()  # first: a compiled attempt that failed half-way leaves no gradient behind
     if args.norm_adv:
         b_advantages = (b_advantages - b_advantages.mean()) / (b_advantages.std() + 1e-8)
 
@@ -212,12 +219,13 @@ def update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dt
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
     nonfinite = ~torch.isfinite(loss)
+    with torch.no_grad():
+        logprob_gap = (newlogprob - b_logprobs).abs().mean()  # the learner's log-probs against the rollout's
 
-    optimizer.zero_grad()
     loss.backward()
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
     optimizer.step()
-    return torch.stack([v_loss, pg_loss, entropy_loss]).detach(), nonfinite
+    return torch.stack([v_loss, pg_loss, entropy_loss, logprob_gap]).detach(), nonfinite
 
 
 def parse_args() -> Args:
@@ -287,13 +295,14 @@ if __name__ == "__main__":
         life_loss_terminal=args.life_loss_terminal, serial=args.driver == "sequential", first_core=first_core,
     )  # fmt: skip
 
-    # optimizer
-    optimizer = RMSpropTF(agent.parameters(), lr=args.learning_rate, alpha=args.rms_alpha, eps=args.rms_eps)
+    # optimizer; --compile: a tensor rate, annealed in place, so that the compiled step never recompiles
+    lr = torch.tensor(args.learning_rate, device=device) if args.compile else args.learning_rate
+    optimizer = RMSpropTF(agent.parameters(), lr=lr, alpha=args.rms_alpha, eps=args.rms_eps)
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         # the command line's lr, alpha and eps, not the saved ones
-        optimizer.param_groups[0].update(lr=args.learning_rate, alpha=args.rms_alpha, eps=args.rms_eps)
+        optimizer.param_groups[0].update(lr=lr, alpha=args.rms_alpha, eps=args.rms_eps)
         utils.set_rng_states(checkpoint["rng"], device)
 
     def save(iteration, step, path=run_dir / "checkpoint.pt"):
@@ -327,8 +336,13 @@ if __name__ == "__main__":
         driver=driver, cuda_graphs=graphs, profiler=profiler,
     )  # fmt: skip
 
-    # TRY NOT TO MODIFY: start the game
+    # --compile: the update compiled (docs/update.md), eager where that fails
+    step = update
     progress = utils.Progress(args.total_timesteps, global_step)
+    if args.compile:
+        step = progress.compiled = utils.CompiledStep(update, device)
+
+    # TRY NOT TO MODIFY: start the game
     rollout.start()
     iteration = start_iteration
     print(f"run directory: {run_dir}", flush=True)
@@ -337,7 +351,7 @@ if __name__ == "__main__":
         # annealing the rate if instructed to do so.
         if args.anneal_lr:
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
-            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+            utils.set_lr(optimizer, frac * args.learning_rate)
 
         # ALGO LOGIC: the rollout, T steps into the storage
         rollout_start = time.perf_counter()
@@ -361,13 +375,17 @@ if __name__ == "__main__":
             # flatten the batch
             b_obs = obs[:T].reshape((-1, 4, 84, 84))
             b_actions = actions[:T].reshape(-1)
+            b_logprobs = logprobs[:T].reshape(-1)
             b_advantages = advantages.reshape(-1)
             b_returns = returns.reshape(-1)
 
             # ALGO LOGIC: one gradient step on the whole batch (update, above)
-            losses, nonfinite = update(agent, optimizer, b_obs, b_actions, b_advantages, b_returns, args, dtype)
+            losses, nonfinite = step(
+                agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, dtype
+            )
+            logprob_gap = losses[3]  # noqa: F841  (a replayed CUDA graph overwrites it at the next update)
             with torch.no_grad():  # summed until the next log line, no sync
-                stats += losses
+                stats += losses[:3]
                 interval_values[logged_iterations].copy_(values[:T])
                 interval_returns[logged_iterations].copy_(returns)
                 logged_iterations += 1
@@ -382,7 +400,7 @@ if __name__ == "__main__":
             y_true = interval_returns[:logged_iterations].cpu().numpy()
             var_y = np.var(y_true)
             explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
-            writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
+            writer.add_scalar("charts/learning_rate", float(optimizer.param_groups[0]["lr"]), global_step)
             writer.add_scalar("losses/value_loss", v_loss, global_step)
             writer.add_scalar("losses/policy_loss", pg_loss, global_step)
             writer.add_scalar("losses/entropy", entropy_loss, global_step)

@@ -678,6 +678,7 @@ def init_distributed(backend, device: torch.device):
     return dist.get_rank(), dist.get_world_size(), *local
 
 
+@torch.compiler.disable  # --compile: runs eagerly between the compiled backward and optimizer step
 def all_reduce_gradients(parameters, world_size):
     """Average the gradients over the ranks: one all-reduce of one flat buffer."""
     import torch.distributed as dist
@@ -804,6 +805,7 @@ class Progress:
         self.start_time = time.time()
         self.recent_returns = deque(maxlen=20)
         self.rollout_time = 0.0  # seconds spent collecting, added up by the scripts
+        self.compiled = None  # --compile: the CompiledStep, whose time the first line reports
 
     def sps(self, global_step: int) -> int:
         return int((global_step - self.start_step) / max(time.time() - self.start_time, 1e-9))
@@ -815,10 +817,74 @@ class Progress:
         eta = f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
         ret = f"{np.mean(self.recent_returns):.1f}" if self.recent_returns else "-"
         rollout = f" (rollout {int((global_step - self.start_step) / self.rollout_time)})" if self.rollout_time else ""
+        compiled = ""
+        if self.compiled is not None:
+            compiled, self.compiled = self.compiled.text(), None
         return (
             f"iter {iteration}/{num_iterations}  step {global_step:,}/{self.total_steps:,}  "
-            f"SPS: {sps}{rollout}  ETA {eta}  return {ret} (last {len(self.recent_returns)} games)"
+            f"SPS: {sps}{rollout}  ETA {eta}  return {ret} (last {len(self.recent_returns)} games){compiled}"
         )
+
+
+# ----------------------------------------------------------------------------- --compile
+class CompiledStep:
+    """--compile: `step` (the update's optimizer step: loss, backward, clip, optimizer) under
+    torch.compile, on CUDA replayed from CUDA graphs (mode="reduce-overhead"); docs/update.md.
+    It compiles at its first call, whose time it keeps (`seconds`, for the first progress line).
+    A call that raises compiled and not eagerly (a Dynamo or Inductor error, e.g. on an edited
+    network) is run again eagerly, as is every later one: one line on stderr says why. The step
+    zeroes the gradients first, so a compiled attempt that failed half-way leaves none behind."""
+
+    def __init__(self, step, device: torch.device, backend="inductor"):
+        self.step, self.cuda = step, device.type == "cuda"
+        mode = "reduce-overhead" if self.cuda else None
+        self.compiled = torch.compile(step, backend=backend, mode=mode, dynamic=False)
+        self.seconds, self.eager = None, False
+
+    def __call__(self, *args):
+        if self.eager:
+            return self.step(*args)
+        start = time.perf_counter()
+        try:
+            if self.cuda:  # a new step: the last one's outputs were copied out, their memory is reused
+                torch.compiler.cudagraph_mark_step_begin()
+            out = self.compiled(*args)
+        except Exception as e:
+            reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+            reason = f"{type(e).__name__}: {reason}"[:300]
+        else:
+            if self.seconds is None:
+                self.seconds = time.perf_counter() - start
+            return out
+        out = self.step(*args)  # outside the handler: an error of the step itself raises as it does eagerly
+        self.eager = True
+        print(f"warning: --compile: {reason}; the update runs eagerly", file=sys.stderr, flush=True)
+        return out
+
+    def text(self) -> str:
+        """For the first progress line: the compile's time, or that it failed."""
+        if self.eager:
+            return ", compile failed: eager"
+        return "" if self.seconds is None else f", compile {self.seconds:.1f} s"
+
+
+def adam_options(device: torch.device, compile: bool) -> dict:
+    """Adam's implementation: eager, the fused kernel on CUDA; --compile (a tensor rate, which a
+    foreach Adam reads only when capturable): the capturable foreach Adam on CUDA, which Inductor
+    fuses and CUDA graphs replay (its step count on the device), the single-tensor one on the CPU."""
+    if not compile:
+        return dict(fused=device.type == "cuda")
+    return dict(foreach=device.type == "cuda", capturable=device.type == "cuda")
+
+
+def set_lr(optimizer, lr: float):
+    """The optimizer's rate, in place where it is a tensor (--compile: the compiled step reads the
+    tensor, so annealing it recompiles nothing)."""
+    group = optimizer.param_groups[0]
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
 
 
 # ----------------------------------------------------------------------------- reliability

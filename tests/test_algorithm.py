@@ -481,7 +481,9 @@ def test_a_non_finite_loss_is_reported(script):
     args = ppo_args(update_epochs=2, num_minibatches=2)
     if script == "a2c":
         args = SimpleNamespace(**A2C_ARGS)
-        _, nonfinite = a2c.update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, torch.float32)
+        _, nonfinite = a2c.update(
+            agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, torch.float32
+        )
         assert nonfinite
     elif script == "native":
         batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values)
@@ -491,3 +493,29 @@ def test_a_non_finite_loss_is_reported(script):
         with pytest.raises(FloatingPointError, match="non-finite loss"):
             baseline.update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, args)
         assert all(torch.equal(p, q) for p, q in zip(agent.parameters(), before))
+
+
+@pytest.mark.parametrize("script", ["native", "a2c"])
+def test_logprob_gap_is_the_mean_absolute_difference(script):
+    """The rollout's log-probs stored 0.3 off the network's, up or down by env: the update reports
+    their mean |difference| from the learner's, 0.3 (PPO: of its first minibatch, before any step)."""
+    module = {"native": native, "a2c": a2c}[script]
+    agent = make_agent(module)
+    data = fixed_batch(agent, perturb=False)
+    b_obs, b_actions = data.obs.flatten(0, 1), data.actions.flatten()
+    signs = torch.tensor([1.0, -1.0]).repeat(T * N // 2)
+    b_logprobs = data.logprobs.flatten() + 0.3 * signs
+    b_values = b_advantages = b_returns = data.values[:T].flatten()
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-2, eps=1e-5)
+    if script == "a2c":
+        args = SimpleNamespace(**A2C_ARGS)
+        losses, _ = a2c.update(
+            agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, torch.float32
+        )
+        gap = losses[3]
+    else:
+        args = ppo_args(update_epochs=2, num_minibatches=2)
+        batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values)
+        stats, _ = native.update(agent, optimizer, *batch, args, torch.float32, 1)
+        gap = stats[7]
+    assert gap.item() == pytest.approx(0.3, abs=1e-5)
