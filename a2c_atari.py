@@ -115,6 +115,9 @@ class RMSpropTF(torch.optim.Optimizer):
 
     def __init__(self, params, lr=7e-4, alpha=0.99, eps=1e-5):
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps))
+        for group in self.param_groups:  # here, not at the first step: a compiled step then compiles once
+            for p in group["params"]:
+                self.state[p]["square_avg"] = torch.ones_like(p, memory_format=torch.preserve_format)
 
     @torch.no_grad()
     def step(self):
@@ -122,9 +125,6 @@ class RMSpropTF(torch.optim.Optimizer):
             lr, alpha, eps = group["lr"], group["alpha"], group["eps"]
             params = [p for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
-            for p in params:
-                if not self.state[p]:
-                    self.state[p]["square_avg"] = torch.ones_like(p, memory_format=torch.preserve_format)
             square_avgs = [self.state[p]["square_avg"] for p in params]
             # one launch per op for all parameters (foreach), not one per parameter
             torch._foreach_mul_(square_avgs, alpha)
@@ -337,10 +337,10 @@ if __name__ == "__main__":
     )  # fmt: skip
 
     # --compile: the update compiled (docs/update.md), eager where that fails
-    step = update
+    optimize = update
     progress = utils.Progress(args.total_timesteps, global_step)
     if args.compile:
-        step = progress.compiled = utils.CompiledStep(update, device)
+        optimize = progress.compiled = utils.CompiledStep(update, device)
 
     # TRY NOT TO MODIFY: start the game
     rollout.start()
@@ -380,7 +380,7 @@ if __name__ == "__main__":
             b_returns = returns.reshape(-1)
 
             # ALGO LOGIC: one gradient step on the whole batch (update, above)
-            losses, nonfinite = step(
+            losses, nonfinite = optimize(
                 agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, dtype
             )
             logprob_gap = losses[3]  # noqa: F841  (a replayed CUDA graph overwrites it at the next update)

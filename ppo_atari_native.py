@@ -248,8 +248,8 @@ def minibatch_step(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages,
 
 
 def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, args, dtype, world_size,
-           step=minibatch_step):  # fmt: skip
-    """CleanRL's PPO update, shuffled by torch's RNG, a minibatch at a time by `step` (minibatch_step,
+           optimize=minibatch_step):  # fmt: skip
+    """CleanRL's PPO update, shuffled by torch's RNG, a minibatch at a time by `optimize` (minibatch_step,
     or it compiled); only target_kl syncs with the host. Returns, on the device, stats [8] (the last
     minibatch's value, policy and entropy losses, old_approx_kl, approx_kl; the clip fractions' sum
     and count; the first minibatch's mean |log-prob - rollout's|) and whether any loss was non-finite."""
@@ -261,7 +261,7 @@ def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_retur
         for start in range(0, args.batch_size, args.minibatch_size):
             end = start + args.minibatch_size
             mb_inds = b_inds[start:end]
-            losses, mb_nonfinite = step(
+            losses, mb_nonfinite = optimize(
                 agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, mb_inds,
                 args, dtype, world_size,
             )  # fmt: skip
@@ -385,10 +385,10 @@ if __name__ == "__main__":
     )  # fmt: skip
 
     # --compile: the minibatch step compiled (docs/update.md), eager where that fails
-    step = minibatch_step
+    optimize = minibatch_step
     progress = utils.Progress(args.total_timesteps, global_step)
     if args.compile:
-        step = progress.compiled = utils.CompiledStep(minibatch_step, device)
+        optimize = progress.compiled = utils.CompiledStep(minibatch_step, device)
 
     # TRY NOT TO MODIFY: start the game
     rollout.start()
@@ -432,7 +432,7 @@ if __name__ == "__main__":
             # ALGO LOGIC: optimizing the policy and value network (update, above)
             stats, nonfinite = update(
                 agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values,
-                args, dtype, world_size, step,
+                args, dtype, world_size, optimize,
             )  # fmt: skip
             if args.update_epochs > 0:  # nor may the next rollout sample from non-finite outputs
                 nonfinite |= utils.nonfinite_policy(agent, obs[T])

@@ -850,6 +850,8 @@ class CompiledStep:
                 torch.compiler.cudagraph_mark_step_begin()
             out = self.compiled(*args)
         except Exception as e:
+            while getattr(e, "inner_exception", None) or e.__cause__:  # the backend's own error
+                e = getattr(e, "inner_exception", None) or e.__cause__
             reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
             reason = f"{type(e).__name__}: {reason}"[:300]
         else:
