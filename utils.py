@@ -1255,8 +1255,9 @@ def evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
 
 # ----------------------------------------------------------------------------- profiling
 class Profiler:
-    """--profile: a table of time per rollout phase over the first 4 iterations, and a
-    torch.profiler trace of iterations 2-4 (trace.json, for Perfetto; the first warms up). Free
+    """--profile: a table of time per phase over iterations 2-4 (the first only where it is the
+    last), and a torch.profiler trace of them (trace.json, for Perfetto): the first warms up (CUDA
+    graph capture, first launches, --compile's compile), so its times would swamp the rest. Free
     when off; never syncs the device: host phases are perf_counter spans, a batch-step's GPU
     time comes from events on its stream."""
 
@@ -1264,6 +1265,7 @@ class Profiler:
         self.enabled, self.cuda = enabled, enabled and device.type == "cuda"
         self.totals, self.pending, self.lock = {}, [], threading.Lock()
         self.iterations, self.done, self.null = iterations, 0, contextlib.nullcontext()
+        self.wall_start = None  # the end of the first iteration
         if enabled:
             activities = [torch.profiler.ProfilerActivity.CPU]
             activities += [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
@@ -1314,6 +1316,9 @@ class Profiler:
             self.add("GPU: batch-steps", sum(start.elapsed_time(end) for start, end in pending) / 1000)
         self.done += 1
         if self.done == 1:
+            if not last:
+                self.totals.clear()  # the warm-up's times
+            self.wall_start = time.perf_counter()
             self.torch_profiler.start()  # after the first iteration, and after any CUDA graph capture
         else:
             self.torch_profiler.step()
@@ -1329,4 +1334,9 @@ class Profiler:
         for name, seconds in sorted(self.totals.items(), key=lambda kv: (kv[0] not in host, -kv[1])):
             share = f"{seconds / total:>8.1%}" if name in host else f"{'':>8}"
             lines.append(f"{name:<22}{seconds:>10.3f}{share}")
+        if (
+            self.wall_start is not None and "training" in host
+        ):  # threads' phases overlap: the update's share of wall time
+            wall = time.perf_counter() - self.wall_start
+            lines.append(f"wall time {wall:.3f} s, of which the update (training) {host['training'] / wall:.1%}")
         return "\n".join(lines)
