@@ -678,9 +678,9 @@ def init_distributed(backend, device: torch.device):
     return dist.get_rank(), dist.get_world_size(), *local
 
 
-@torch.compiler.disable  # --compile: runs eagerly between the compiled backward and optimizer step
 def all_reduce_gradients(parameters, world_size):
-    """Average the gradients over the ranks: one all-reduce of one flat buffer."""
+    """Average the gradients over the ranks: one all-reduce of one flat buffer (under --compile
+    eagerly, between the compiled backward and optimizer step: CompiledStep has Dynamo skip it)."""
     import torch.distributed as dist
 
     grads = [p.grad for p in parameters]
@@ -836,6 +836,9 @@ class CompiledStep:
     zeroes the gradients first, so a compiled attempt that failed half-way leaves none behind."""
 
     def __init__(self, step, device: torch.device, backend="inductor"):
+        global all_reduce_gradients  # here, not at import: torch._dynamo takes seconds to import
+        if not hasattr(all_reduce_gradients, "_torchdynamo_orig_callable"):
+            all_reduce_gradients = torch.compiler.disable(all_reduce_gradients)
         self.step, self.cuda = step, device.type == "cuda"
         mode = "reduce-overhead" if self.cuda else None
         self.compiled = torch.compile(step, backend=backend, mode=mode, dynamic=False)
