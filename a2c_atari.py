@@ -58,6 +58,8 @@ class Args:
     driver: Literal["auto", "single", "threads", "sequential"] = "auto"
     """who serves the env batches: single (one thread in turn), threads (one each), auto (CUDA: single; else
     threads), sequential (for debugging: one env thread, each batch stepped to completion, no overlap)"""
+    compile: bool = False
+    """compile the update's optimizer step with torch.compile (on CUDA replayed from CUDA graphs); docs/update.md"""
     profile: bool = False
     """trace iterations 2-4 with torch.profiler (trace.json, for Perfetto) and print a table of time per phase"""
     # Algorithm specific arguments
@@ -113,6 +115,9 @@ class RMSpropTF(torch.optim.Optimizer):
 
     def __init__(self, params, lr=7e-4, alpha=0.99, eps=1e-5):
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps))
+        for group in self.param_groups:  # here, not at the first step: a compiled step then compiles once
+            for p in group["params"]:
+                self.state[p]["square_avg"] = torch.ones_like(p, memory_format=torch.preserve_format)
 
     @torch.no_grad()
     def step(self):
@@ -120,16 +125,17 @@ class RMSpropTF(torch.optim.Optimizer):
             lr, alpha, eps = group["lr"], group["alpha"], group["eps"]
             params = [p for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
-            for p in params:
-                if not self.state[p]:
-                    self.state[p]["square_avg"] = torch.ones_like(p, memory_format=torch.preserve_format)
             square_avgs = [self.state[p]["square_avg"] for p in params]
             # one launch per op for all parameters (foreach), not one per parameter
             torch._foreach_mul_(square_avgs, alpha)
             torch._foreach_addcmul_(square_avgs, grads, grads, value=1 - alpha)
             denominators = torch._foreach_add(square_avgs, eps)
             torch._foreach_sqrt_(denominators)
-            torch._foreach_addcdiv_(params, grads, denominators, value=-lr)
+            if isinstance(lr, torch.Tensor):  # --compile: a tensor rate (addcdiv's value must be a number)
+                torch._foreach_div_(denominators, lr)
+                torch._foreach_addcdiv_(params, grads, denominators, value=-1.0)
+            else:
+                torch._foreach_addcdiv_(params, grads, denominators, value=-lr)
 
 
 def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
@@ -192,12 +198,12 @@ def gae(rewards, values, dones, gamma, gae_lambda):
 
 
 def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, dtype):
-    """Stable-Baselines3's A2C update: one gradient step on the whole batch.
+    """Stable-Baselines3's A2C update: one gradient step on the whole batch (--compile compiles it).
 
-    Returns the value, policy and entropy losses and the mean |newlogprob - b_logprobs| (how far
-    the rollout's log-probs are from the learner's, for the same weights), a device tensor [4],
-    and a device bool: is the loss non-finite. Never syncs with the host.
+    Returns a device tensor [4]: the value, policy and entropy losses and the mean |log-prob -
+    rollout's log-prob|; and a device bool: is the loss non-finite. Never syncs with the host.
     """
+    optimizer.zero_grad()  # first: a compiled attempt that failed half-way leaves no gradient behind
     if args.norm_adv:
         b_advantages = (b_advantages - b_advantages.mean()) / (b_advantages.std() + 1e-8)
 
@@ -214,12 +220,12 @@ def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_retur
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
     nonfinite = ~torch.isfinite(loss)
+    with torch.no_grad():
+        logprob_gap = (newlogprob - b_logprobs).abs().mean()  # the learner's log-probs against the rollout's
 
-    optimizer.zero_grad()
     loss.backward()
     nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
     optimizer.step()
-    logprob_gap = (newlogprob - b_logprobs).abs().mean()
     return torch.stack([v_loss, pg_loss, entropy_loss, logprob_gap]).detach(), nonfinite
 
 
@@ -291,13 +297,14 @@ if __name__ == "__main__":
         life_loss_terminal=args.life_loss_terminal, serial=args.driver == "sequential", first_core=first_core,
     )  # fmt: skip
 
-    # optimizer
-    optimizer = RMSpropTF(agent.parameters(), lr=args.learning_rate, alpha=args.rms_alpha, eps=args.rms_eps)
+    # optimizer; --compile: a tensor rate, annealed in place, so that the compiled step never recompiles
+    lr = torch.tensor(args.learning_rate, device=device) if args.compile else args.learning_rate
+    optimizer = RMSpropTF(agent.parameters(), lr=lr, alpha=args.rms_alpha, eps=args.rms_eps)
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         # the command line's lr, alpha and eps, not the saved ones
-        optimizer.param_groups[0].update(lr=args.learning_rate, alpha=args.rms_alpha, eps=args.rms_eps)
+        optimizer.param_groups[0].update(lr=lr, alpha=args.rms_alpha, eps=args.rms_eps)
         utils.set_rng_states(checkpoint["rng"], device)
 
     def save(iteration, step, path=run_dir / "checkpoint.pt"):
@@ -331,8 +338,13 @@ if __name__ == "__main__":
         driver=driver, cuda_graphs=graphs, profiler=profiler,
     )  # fmt: skip
 
-    # TRY NOT TO MODIFY: start the game
+    # --compile: the update compiled (docs/update.md), eager where that fails
+    optimize = update
     progress = utils.Progress(args.total_timesteps, global_step)
+    if args.compile:
+        optimize = progress.compiled = utils.CompiledStep(update, device)
+
+    # TRY NOT TO MODIFY: start the game
     rollout.start()
     iteration = start_iteration
     print(f"run directory: {run_dir}", flush=True)
@@ -341,7 +353,7 @@ if __name__ == "__main__":
         # annealing the rate if instructed to do so.
         if args.anneal_lr:
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
-            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+            utils.set_lr(optimizer, frac * args.learning_rate)
 
         # ALGO LOGIC: the rollout, T steps into the storage
         rollout_start = time.perf_counter()
@@ -370,7 +382,7 @@ if __name__ == "__main__":
             b_returns = returns.reshape(-1)
 
             # ALGO LOGIC: one gradient step on the whole batch (update, above)
-            losses, nonfinite = update(
+            losses, nonfinite = optimize(
                 agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, dtype
             )
             with torch.no_grad():  # summed until the next log line, no sync
@@ -393,7 +405,7 @@ if __name__ == "__main__":
             y_true = interval_returns[:logged_iterations].cpu().numpy()
             var_y = np.var(y_true)
             explained_var = np.nan if var_y == 0 else 1 - np.var(y_true - y_pred) / var_y
-            writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
+            writer.add_scalar("charts/learning_rate", float(optimizer.param_groups[0]["lr"]), global_step)
             writer.add_scalar("losses/value_loss", v_loss, global_step)
             writer.add_scalar("losses/policy_loss", pg_loss, global_step)
             writer.add_scalar("losses/entropy", entropy_loss, global_step)

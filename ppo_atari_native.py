@@ -59,6 +59,8 @@ class Args:
     driver: Literal["auto", "single", "threads", "sequential"] = "auto"
     """who serves the env batches: single (one thread in turn), threads (one each), auto (CUDA: single; else
     threads), sequential (for debugging: one env thread, each batch stepped to completion, no overlap)"""
+    compile: bool = False
+    """compile the update's optimizer step with torch.compile (on CUDA replayed from CUDA graphs); docs/update.md"""
     profile: bool = False
     """trace iterations 2-4 with torch.profiler (trace.json, for Perfetto) and print a table of time per phase"""
     backend: Literal["gloo", "nccl", "mpi"] | None = None
@@ -193,12 +195,65 @@ def parse_args() -> Args:
     return args
 
 
-def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, args, dtype, world_size):
-    """CleanRL's PPO update, shuffled by torch's RNG; only target_kl syncs with the host. Returns, on
-    the device, stats [8] (the last minibatch's value, policy and entropy losses, old_approx_kl,
-    approx_kl; the clip fractions' sum and count; the first minibatch's mean |log-ratio|, before
-    any step: how far the rollout's log-probs are from the learner's) and whether any loss was
-    non-finite."""
+def minibatch_step(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, mb_inds, args,
+                   dtype, world_size):  # fmt: skip
+    """One PPO minibatch: the loss, backward, the gradient clip and Adam's step (--compile compiles
+    this function). Returns, on the device, [v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl,
+    clipfrac, logprob_gap] and whether the loss is non-finite."""
+    optimizer.zero_grad()  # first: a compiled attempt that failed half-way leaves no gradient behind
+    with torch.autocast(b_obs.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
+    logratio = newlogprob - b_logprobs[mb_inds]
+    ratio = logratio.exp()
+    with torch.no_grad():
+        # calculate approx_kl http://joschu.net/blog/kl-approx.html
+        old_approx_kl = (-logratio).mean()
+        approx_kl = ((ratio - 1) - logratio).mean()
+        clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+        logprob_gap = logratio.abs().mean()  # the learner's log-probs against the rollout's
+
+    mb_advantages = b_advantages[mb_inds]
+    if args.norm_adv:
+        mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
+
+    # Policy loss
+    pg_loss1 = -mb_advantages * ratio
+    pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+    pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+    # Value loss
+    newvalue = newvalue.view(-1)
+    if args.clip_vloss:
+        v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
+        v_clipped = b_values[mb_inds] + torch.clamp(
+            newvalue - b_values[mb_inds],
+            -args.clip_coef,
+            args.clip_coef,
+        )
+        v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
+        v_loss_max = torch.max(v_loss_unclipped, v_loss_clipped)
+        v_loss = 0.5 * v_loss_max.mean()
+    else:
+        v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
+
+    entropy_loss = entropy.mean()
+    loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+
+    loss.backward()
+    if world_size > 1:  # torchrun: every rank steps with the mean gradient
+        utils.all_reduce_gradients(agent.parameters(), world_size)
+    nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
+    optimizer.step()
+    losses = torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac, logprob_gap])
+    return losses.detach(), ~torch.isfinite(loss)
+
+
+def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, args, dtype, world_size,
+           optimize=minibatch_step):  # fmt: skip
+    """CleanRL's PPO update, shuffled by torch's RNG, a minibatch at a time by `optimize` (minibatch_step,
+    or it compiled); only target_kl syncs with the host. Returns, on the device, stats [8] (the last
+    minibatch's value, policy and entropy losses, old_approx_kl, approx_kl; the clip fractions' sum
+    and count; the first minibatch's mean |log-prob - rollout's|) and whether any loss was non-finite."""
     device = b_obs.device
     stats = torch.zeros(8, device=device)
     nonfinite = torch.zeros((), dtype=torch.bool, device=device)
@@ -207,59 +262,18 @@ def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_retur
         for start in range(0, args.batch_size, args.minibatch_size):
             end = start + args.minibatch_size
             mb_inds = b_inds[start:end]
-
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
-            logratio = newlogprob - b_logprobs[mb_inds]
-            ratio = logratio.exp()
-            with torch.no_grad():
-                # calculate approx_kl http://joschu.net/blog/kl-approx.html
-                old_approx_kl = (-logratio).mean()
-                approx_kl = ((ratio - 1) - logratio).mean()
-                clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
-                if epoch == 0 and start == 0:  # the same weights acted: only rounding may differ
-                    stats[7] = logratio.abs().mean()
-
-            mb_advantages = b_advantages[mb_inds]
-            if args.norm_adv:
-                mb_advantages = (mb_advantages - mb_advantages.mean()) / (mb_advantages.std() + 1e-8)
-
-            # Policy loss
-            pg_loss1 = -mb_advantages * ratio
-            pg_loss2 = -mb_advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
-            pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-
-            # Value loss
-            newvalue = newvalue.view(-1)
-            if args.clip_vloss:
-                v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
-                v_clipped = b_values[mb_inds] + torch.clamp(
-                    newvalue - b_values[mb_inds],
-                    -args.clip_coef,
-                    args.clip_coef,
-                )
-                v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
-                v_loss_max = torch.max(v_loss_unclipped, v_loss_clipped)
-                v_loss = 0.5 * v_loss_max.mean()
-            else:
-                v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
-
-            entropy_loss = entropy.mean()
-            loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
-            nonfinite |= ~torch.isfinite(loss)
-
-            optimizer.zero_grad()
-            loss.backward()
-            if world_size > 1:  # torchrun: every rank steps with the mean gradient
-                utils.all_reduce_gradients(agent.parameters(), world_size)
-            nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-            optimizer.step()
-            with torch.no_grad():  # the last minibatch's losses, every minibatch's clipfrac
-                last = torch.stack([v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl])
-                stats[:5] = last.detach()
-                stats[5] += clipfrac
-                stats[6] += 1
-
+            losses, mb_nonfinite = optimize(
+                agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, mb_inds,
+                args, dtype, world_size,
+            )  # fmt: skip
+            # copied out at once: a step replayed from CUDA graphs overwrites its outputs the next time
+            nonfinite |= mb_nonfinite
+            stats[:5] = losses[:5]  # the last minibatch's losses, every minibatch's clipfrac
+            stats[5] += losses[5]
+            stats[6] += 1
+            if epoch == 0 and start == 0:
+                stats[7] = losses[6]
+        approx_kl = stats[4]
         if args.target_kl is not None and approx_kl > args.target_kl:
             break
     return stats, nonfinite
@@ -331,12 +345,13 @@ if __name__ == "__main__":
         life_loss_terminal=args.life_loss_terminal, serial=args.driver == "sequential", first_core=first_core,
     )  # fmt: skip
 
-    # optimizer
-    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=device.type == "cuda")
+    # optimizer; --compile: a tensor rate, annealed in place, so that the compiled step never recompiles
+    lr = torch.tensor(args.learning_rate, device=device) if args.compile else args.learning_rate
+    optimizer = optim.Adam(agent.parameters(), lr=lr, eps=1e-5, **utils.adam_options(device, args.compile))
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
-        optimizer.param_groups[0]["lr"] = args.learning_rate  # the command line's rate, not the saved one
+        optimizer.param_groups[0]["lr"] = lr  # the command line's rate, not the saved one
         utils.set_rng_states(checkpoint["rng"], device)
     if distributed:  # rank 0's weights everywhere, each rank its own samples
         for tensor in agent.state_dict().values():
@@ -371,8 +386,13 @@ if __name__ == "__main__":
         driver=driver, cuda_graphs=graphs, profiler=profiler,
     )  # fmt: skip
 
-    # TRY NOT TO MODIFY: start the game
+    # --compile: the minibatch step compiled (docs/update.md), eager where that fails
+    optimize = minibatch_step
     progress = utils.Progress(args.total_timesteps, global_step)
+    if args.compile:
+        optimize = progress.compiled = utils.CompiledStep(minibatch_step, device)
+
+    # TRY NOT TO MODIFY: start the game
     rollout.start()
     iteration = start_iteration
     if rank == 0:
@@ -382,7 +402,7 @@ if __name__ == "__main__":
         # annealing the rate if instructed to do so.
         if args.anneal_lr:
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
-            optimizer.param_groups[0]["lr"] = frac * args.learning_rate
+            utils.set_lr(optimizer, frac * args.learning_rate)
 
         # ALGO LOGIC: the rollout, T steps into the storage
         rollout_start = time.perf_counter()
@@ -414,7 +434,7 @@ if __name__ == "__main__":
             # ALGO LOGIC: optimizing the policy and value network (update, above)
             stats, nonfinite = update(
                 agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values,
-                args, dtype, world_size,
+                args, dtype, world_size, optimize,
             )  # fmt: skip
             if args.update_epochs > 0:  # nor may the next rollout sample from non-finite outputs
                 nonfinite |= utils.nonfinite_policy(agent, obs[T])
@@ -423,7 +443,7 @@ if __name__ == "__main__":
             nonfinite, stats[7] = utils.agree(stop, nonfinite, stats[7])
 
         # TRY NOT TO MODIFY: record losses for plotting purposes (one sync)
-        writer.add_scalar("charts/learning_rate", optimizer.param_groups[0]["lr"], global_step)
+        writer.add_scalar("charts/learning_rate", float(optimizer.param_groups[0]["lr"]), global_step)
         if args.update_epochs > 0:
             if bool(nonfinite):
                 utils.fail_diverged(

@@ -680,7 +680,8 @@ def init_distributed(backend, device: torch.device):
 
 
 def all_reduce_gradients(parameters, world_size):
-    """Average the gradients over the ranks: one all-reduce of one flat buffer."""
+    """Average the gradients over the ranks: one all-reduce of one flat buffer (under --compile
+    eagerly, between the compiled backward and optimizer step: CompiledStep has Dynamo skip it)."""
     import torch.distributed as dist
 
     grads = [p.grad for p in parameters]
@@ -807,6 +808,7 @@ class Progress:
         self.start_time = time.time()
         self.recent_returns = deque(maxlen=20)
         self.rollout_time = 0.0  # seconds spent collecting, added up by the scripts
+        self.compiled = None  # --compile: the CompiledStep, whose time the first line reports
 
     def sps(self, global_step: int) -> int:
         return int((global_step - self.start_step) / max(time.time() - self.start_time, 1e-9))
@@ -818,10 +820,79 @@ class Progress:
         eta = f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
         ret = f"{np.mean(self.recent_returns):.1f}" if self.recent_returns else "-"
         rollout = f" (rollout {int((global_step - self.start_step) / self.rollout_time)})" if self.rollout_time else ""
+        compiled = ""
+        if self.compiled is not None:
+            compiled, self.compiled = self.compiled.text(), None
         return (
             f"iter {iteration}/{num_iterations}  step {global_step:,}/{self.total_steps:,}  "
-            f"SPS: {sps}{rollout}  ETA {eta}  return {ret} (last {len(self.recent_returns)} games)"
+            f"SPS: {sps}{rollout}  ETA {eta}  return {ret} (last {len(self.recent_returns)} games){compiled}"
         )
+
+
+# ----------------------------------------------------------------------------- --compile
+class CompiledStep:
+    """--compile: `step` (the update's optimizer step: loss, backward, clip, optimizer) under
+    torch.compile, on CUDA replayed from CUDA graphs (mode="reduce-overhead"); docs/update.md.
+    It compiles at its first call, whose time it keeps (`seconds`, for the first progress line).
+    A call that raises compiled and not eagerly (a Dynamo or Inductor error, e.g. on an edited
+    network) is run again eagerly, as is every later one: one line on stderr says why. The step
+    zeroes the gradients first, so a compiled attempt that failed half-way leaves none behind."""
+
+    def __init__(self, step, device: torch.device, backend="inductor"):
+        global all_reduce_gradients  # here, not at import: torch._dynamo takes seconds to import
+        if not hasattr(all_reduce_gradients, "_torchdynamo_orig_callable"):
+            all_reduce_gradients = torch.compiler.disable(all_reduce_gradients)
+        self.step, self.cuda = step, device.type == "cuda"
+        mode = "reduce-overhead" if self.cuda else None
+        self.compiled = torch.compile(step, backend=backend, mode=mode, dynamic=False)
+        self.seconds, self.eager = None, False
+
+    def __call__(self, *args):
+        if self.eager:
+            return self.step(*args)
+        start = time.perf_counter()
+        try:
+            if self.cuda:  # a new step: the last one's outputs were copied out, their memory is reused
+                torch.compiler.cudagraph_mark_step_begin()
+            out = self.compiled(*args)
+        except Exception as e:
+            while getattr(e, "inner_exception", None) or e.__cause__:  # the backend's own error
+                e = getattr(e, "inner_exception", None) or e.__cause__
+            reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+            reason = f"{type(e).__name__}: {reason}"[:300]
+        else:
+            if self.seconds is None:
+                self.seconds = time.perf_counter() - start
+            return out
+        out = self.step(*args)  # outside the handler: an error of the step itself raises as it does eagerly
+        self.eager = True
+        print(f"warning: --compile: {reason}; the update runs eagerly", file=sys.stderr, flush=True)
+        return out
+
+    def text(self) -> str:
+        """For the first progress line: the compile's time, or that it failed."""
+        if self.eager:
+            return ", compile failed: eager"
+        return "" if self.seconds is None else f", compile {self.seconds:.1f} s"
+
+
+def adam_options(device: torch.device, compile: bool) -> dict:
+    """Adam's implementation: eager, the fused kernel on CUDA; --compile (a tensor rate, which a
+    foreach Adam reads only when capturable): the capturable foreach Adam on CUDA, which Inductor
+    fuses and CUDA graphs replay (its step count on the device), the single-tensor one on the CPU."""
+    if not compile:
+        return dict(fused=device.type == "cuda")
+    return dict(foreach=device.type == "cuda", capturable=device.type == "cuda")
+
+
+def set_lr(optimizer, lr: float):
+    """The optimizer's rate, in place where it is a tensor (--compile: the compiled step reads the
+    tensor, so annealing it recompiles nothing)."""
+    group = optimizer.param_groups[0]
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
 
 
 # ----------------------------------------------------------------------------- reliability
@@ -1204,8 +1275,9 @@ def evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
 
 # ----------------------------------------------------------------------------- profiling
 class Profiler:
-    """--profile: a table of time per rollout phase over the first 4 iterations, and a
-    torch.profiler trace of iterations 2-4 (trace.json, for Perfetto; the first warms up). Free
+    """--profile: a table of time per phase over iterations 2-4 (the first only where it is the
+    last), and a torch.profiler trace of them (trace.json, for Perfetto): the first warms up (CUDA
+    graph capture, first launches, --compile's compile), so its times would swamp the rest. Free
     when off; never syncs the device: host phases are perf_counter spans, a batch-step's GPU
     time comes from events on its stream."""
 
@@ -1213,6 +1285,7 @@ class Profiler:
         self.enabled, self.cuda = enabled, enabled and device.type == "cuda"
         self.totals, self.pending, self.lock = {}, [], threading.Lock()
         self.iterations, self.done, self.null = iterations, 0, contextlib.nullcontext()
+        self.wall_start = None  # the end of the first iteration
         if enabled:
             activities = [torch.profiler.ProfilerActivity.CPU]
             activities += [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
@@ -1263,6 +1336,9 @@ class Profiler:
             self.add("GPU: batch-steps", sum(start.elapsed_time(end) for start, end in pending) / 1000)
         self.done += 1
         if self.done == 1:
+            if not last:
+                self.totals.clear()  # the warm-up's times
+            self.wall_start = time.perf_counter()
             self.torch_profiler.start()  # after the first iteration, and after any CUDA graph capture
         else:
             self.torch_profiler.step()
@@ -1278,4 +1354,9 @@ class Profiler:
         for name, seconds in sorted(self.totals.items(), key=lambda kv: (kv[0] not in host, -kv[1])):
             share = f"{seconds / total:>8.1%}" if name in host else f"{'':>8}"
             lines.append(f"{name:<22}{seconds:>10.3f}{share}")
+        if (
+            self.wall_start is not None and "training" in host
+        ):  # threads' phases overlap: the update's share of wall time
+            wall = time.perf_counter() - self.wall_start
+            lines.append(f"wall time {wall:.3f} s, of which the update (training) {host['training'] / wall:.1%}")
         return "\n".join(lines)

@@ -325,11 +325,12 @@ def test_advantages_equal_the_definition(script, lam):
 
 
 # ----------------------------------------------------------------------------- 1. the updates
-# ent_coef 0.1, ten times the scripts' default: the entropy's share of the gradient then stands far
-# above float32 rounding, so that its sign and coefficient show
+# ent_coef 0.2, twenty times the scripts' default: the entropy's share of the gradient then stands far
+# above float32 rounding, so that its sign and coefficient show. No two coefficients are equal, so
+# that one written in place of another shows too.
 PPO_ARGS = dict(
     learning_rate=1e-4, gamma=0.99, gae_lambda=0.95, update_epochs=1, num_minibatches=1, norm_adv=True,
-    clip_coef=0.1, clip_vloss=True, ent_coef=0.1, vf_coef=0.5, max_grad_norm=0.5, target_kl=None,
+    clip_coef=0.1, clip_vloss=True, ent_coef=0.2, vf_coef=0.5, max_grad_norm=0.4, target_kl=None,
 )  # fmt: skip
 
 
@@ -429,14 +430,14 @@ def test_ppo_epochs_of_minibatches_equal_cleanrl(script):
     assert_steps_equal(run.steps, expected, run.weights_before, run.after)
 
 
-# rl-zoo's Atari A2C but ent_coef 0.1 (see PPO_ARGS)
+# rl-zoo's Atari A2C but ent_coef 0.1 (see PPO_ARGS) and gamma 0.98 (rl-zoo's is rms_alpha's 0.99)
 A2C_ARGS = dict(
-    learning_rate=7e-4, gamma=0.99, gae_lambda=1.0, norm_adv=False, ent_coef=0.1, vf_coef=0.25, max_grad_norm=0.5,
+    learning_rate=7e-4, gamma=0.98, gae_lambda=1.0, norm_adv=False, ent_coef=0.1, vf_coef=0.25, max_grad_norm=0.5,
     rms_alpha=0.99, rms_eps=1e-5,
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("changes", [{}, dict(norm_adv=True, gae_lambda=0.95, rms_alpha=0.5, rms_eps=0.1)])
+@pytest.mark.parametrize("changes", [{}, dict(norm_adv=True, gae_lambda=0.95, rms_alpha=0.6, rms_eps=0.05)])
 def test_a2c_updates_equal_stable_baselines3(changes):
     """Two updates on the same batch (n-step returns, RMSprop as rl-zoo sets it; then advantage
     normalization, GAE, and an RMSprop whose eps and start value matter): the losses, the
@@ -449,13 +450,11 @@ def test_a2c_updates_equal_stable_baselines3(changes):
     advantages, returns = script_advantages("a2c", data.rewards, data.values, TERMINAL, BEFORE, gamma, lam)
     optimizer = a2c.RMSpropTF(agent.parameters(), lr=args.learning_rate, alpha=args.rms_alpha, eps=args.rms_eps)
     steps = record_steps(agent, optimizer)
-    b_obs, b_actions = data.obs.flatten(0, 1), data.actions.flatten()
-    b_advantages, b_returns = advantages.flatten(), returns.flatten()
+    batch = (data.obs.flatten(0, 1), data.actions.flatten(), data.logprobs.flatten())
+    batch += (advantages.flatten(), returns.flatten())
     updates = []
     for _ in range(2):
-        losses, nonfinite = a2c.update(
-            agent, optimizer, b_obs, b_actions, data.logprobs.flatten(), b_advantages, b_returns, args, torch.float32
-        )
+        losses, nonfinite = a2c.update(agent, optimizer, *batch, args, torch.float32)
         assert not nonfinite
         updates.append(dict(zip(["v_loss", "pg_loss", "entropy"], losses[:3].tolist())))
     weights_before = [weights] + [step["params"] for step in steps]
@@ -482,8 +481,9 @@ def test_a_non_finite_loss_is_reported(script):
     args = ppo_args(update_epochs=2, num_minibatches=2)
     if script == "a2c":
         args = SimpleNamespace(**A2C_ARGS)
-        batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns)
-        _, nonfinite = a2c.update(agent, optimizer, *batch, args, torch.float32)
+        _, nonfinite = a2c.update(
+            agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, torch.float32
+        )
         assert nonfinite
     elif script == "native":
         batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values)
@@ -493,3 +493,29 @@ def test_a_non_finite_loss_is_reported(script):
         with pytest.raises(FloatingPointError, match="non-finite loss"):
             baseline.update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, args)
         assert all(torch.equal(p, q) for p, q in zip(agent.parameters(), before))
+
+
+@pytest.mark.parametrize("script", ["native", "a2c"])
+def test_logprob_gap_is_the_mean_absolute_difference(script):
+    """The rollout's log-probs stored 0.3 off the network's, up or down by env: the update reports
+    their mean |difference| from the learner's, 0.3 (PPO: of its first minibatch, before any step)."""
+    module = {"native": native, "a2c": a2c}[script]
+    agent = make_agent(module)
+    data = fixed_batch(agent, perturb=False)
+    b_obs, b_actions = data.obs.flatten(0, 1), data.actions.flatten()
+    signs = torch.tensor([1.0, -1.0]).repeat(T * N // 2)
+    b_logprobs = data.logprobs.flatten() + 0.3 * signs
+    b_values = b_advantages = b_returns = data.values[:T].flatten()
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-2, eps=1e-5)
+    if script == "a2c":
+        args = SimpleNamespace(**A2C_ARGS)
+        losses, _ = a2c.update(
+            agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, torch.float32
+        )
+        gap = losses[3]
+    else:
+        args = ppo_args(update_epochs=2, num_minibatches=2)
+        batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values)
+        stats, _ = native.update(agent, optimizer, *batch, args, torch.float32, 1)
+        gap = stats[7]
+    assert gap.item() == pytest.approx(0.3, abs=1e-5)
