@@ -1,7 +1,7 @@
 """What the Atari scripts share. First the native rollout: threaded env stepping and CUDA stream
 batching. Then the conventions every script follows: flags, torchrun, run directories and logs,
-checkpoints and stops, the ALE v5 protocol in gymnasium, evaluation, profiling.
-The design is written in docs/rollout.md and docs/protocol.md.
+the compiled update (--compile), checkpoints and stops, the ALE v5 protocol in gymnasium,
+evaluation, profiling. The design is written in docs/rollout.md, docs/update.md and docs/protocol.md.
 """
 
 import contextlib
