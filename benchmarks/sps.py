@@ -43,7 +43,30 @@ VARIANTS = {
     # the update compiled (docs/update.md); its compile lies in the first iteration
     "native-fp32-compile": ("ppo_atari_native.py", ["--precision", "fp32", "--compile"], 3 * 2048),
     "a2c-compile": ("a2c_atari.py", ["--log-interval", "25", "--compile"], 25 * 80 * 4),
+    # a copy of the native script without the run-long guard (written at start, see without_guard)
+    "native-fp32-noguard": ("ppo_atari_native_noguard.py", ["--precision", "fp32"], 3 * 2048),
 }
+# what the guard adds to ppo_atari_native.py: its gap per minibatch, kept for the first, logged and checked
+GUARD = [
+    ("logprob_gap = logratio.abs().mean()", "logprob_gap = old_approx_kl"),
+    ("stats[7] = losses[6]", "pass"),
+    ('writer.add_scalar("losses/rollout_logprob_gap", logprob_gap, global_step)', "pass"),
+    ('utils.check_logprob_gap(logprob_gap, precision, iteration, run_dir / "checkpoint.pt", writer, envs)', "pass"),
+]
+
+
+def without_guard(where):
+    """ppo_atari_native.py without the guard, written to `where` (it imports the repository's
+    kernels and utils through PYTHONPATH); returns its path."""
+    text = (ROOT / "ppo_atari_native.py").read_text()
+    for old, new in GUARD:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = Path(where) / "ppo_atari_native_noguard.py"
+    path.write_text(text)
+    return path
+
+
 MODES = ["end-to-end", "rollout-only", "profile"]
 ROLLOUT_ONLY = ["--update-epochs", "0"]
 PROFILE = ["--profile"]
@@ -78,7 +101,12 @@ def main():
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--modes", nargs="+", default=["end-to-end", "rollout-only"], choices=MODES)
     parser.add_argument("--budget-scale", type=float, default=1.0, help="scale every variant's budget (a quick check)")
+    parser.add_argument("--against", default="baseline", help="the variant the ratios are taken against")
     args = parser.parse_args()
+    copies = tempfile.TemporaryDirectory()
+    if "native-fp32-noguard" in args.variants:
+        VARIANTS["native-fp32-noguard"] = (str(without_guard(copies.name)), *VARIANTS["native-fp32-noguard"][1:])
+        os.environ["PYTHONPATH"] = str(ROOT)
     variants = [v for v in args.variants if (ROOT / VARIANTS[v][0]).exists()]
 
     # every (mode, variant) run of a round, in a new seeded order each round: no run always
@@ -109,13 +137,13 @@ def main():
         f"({platform.processor() or platform.machine()}), no GPU, {time.strftime('%Y-%m-%d')}\n"
     )
     print(
-        "| mode | script | steps/s (median) | runs | vs baseline (median of the rounds' ratios) "
+        f"| mode | script | steps/s (median) | runs | vs {args.against} (median of the rounds' ratios) "
         "| from launch (median) | update's share of iterations 2-4 (median) |"
     )
     print("|---|---|---|---|---|---|---|")
     for mode, name in runs:
         values, from_launch, shares = (np.array(column, dtype=float) for column in zip(*results[(mode, name)]))
-        base = results.get((mode, "baseline"))
+        base = results.get((mode, args.against))
         ratio = f"{np.median(values / np.array([b[0] for b in base])):.2f}x" if base else "-"
         text = ", ".join(f"{v:,.0f}" for v in values)
         share = "-" if np.isnan(shares).all() else f"{np.nanmedian(shares):.1f}%"
