@@ -21,6 +21,5 @@ for i in range(n):
     stats[7] = gap
     w.add_scalar("losses/rollout_logprob_gap", float(stats[7]), i)
 per_iter = (time.perf_counter() - t) / n
-print(
-    f"guard's added work per PPO iteration: {per_iter * 1e6:.0f} us; an iteration of 2,048 steps at 460 steps/s takes {2048 / 460 * 1e3:.0f} ms: {per_iter / (2048 / 460) * 100:.3f}%"
-)
+iteration = 2048 / 460  # seconds: 2,048 steps at 460 steps/s (benchmarks/results/sps_compile_guard.md)
+print(f"the guard per PPO iteration: {per_iter * 1e6:.0f} us of {iteration * 1e3:.0f} ms, {per_iter / iteration:.3%}")
