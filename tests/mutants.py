@@ -34,6 +34,7 @@ BASELINE = ["tests/test_algorithm.py", "tests/test_baseline.py"]
 A2C = ["tests/test_algorithm.py", "tests/test_a2c.py"]
 RESUME = ["tests/test_reliability.py", "tests/test_a2c.py", "-k", "resume or sigint or rng or checkpoint or stop"]
 DISTRIBUTED = ["tests/test_distributed.py"]
+NETWORK = ["tests/test_network.py"]
 
 # (name, file, line as it is, line as the mutant has it, tests)
 MUTANTS = [
@@ -138,7 +139,31 @@ MUTANTS = [
     ("a signal on one rank does not stop the others", "utils.py",
      'stop.received = "a signal on another rank"', "pass", DISTRIBUTED),
     ("a non-finite loss on one rank does not stop the others", "utils.py",
-     "return flags[1] > 0", "return nonfinite", DISTRIBUTED),
+     "return flags[1] > 0, flags[2]", "return nonfinite, flags[2]", DISTRIBUTED),
+    ("guard: each rank keeps its own gap", "utils.py",
+     "return flags[1] > 0, flags[2]", "return flags[1] > 0, logprob_gap", DISTRIBUTED),
+    # the rollout's policy: the fused check, the refusals, the run-long guard
+    ("policy: the fused check does not read forward", "kernels.py",
+     "if not _is_fused_forward(type(agent)):", "if False:", NETWORK + ["-k", "every_edit"]),
+    ("policy: the fused check reads no parameter", "kernels.py",
+     "extra = [name for name, _ in agent.named_parameters() if name not in expected]", "extra = []",
+     NETWORK + ["-k", "fused_check"]),
+    ("policy: the probe runs on the untrained agent", "kernels.py",
+     "probe = spread_copy(agent, frames)", "probe = agent", NETWORK + ["-k", "probe_compares"]),
+    ("policy: a random forward is not refused", "kernels.py",
+     'return "Agent.forward gives different outputs for the same frames (a random layer, such as dropout?)"',
+     "pass", NETWORK + ["-k", "every_edit and dropout"]),
+    ("policy: the learner is checked at an untrained policy's logits", "kernels.py",
+     "logits = (3 * torch.randn(n, num_actions, generator=generator)).to(device)",
+     "logits = (0.01 * torch.randn(n, num_actions, generator=generator)).to(device)",
+     NETWORK + ["-k", "(every_edit and clamps) or other_logits"]),
+    ("guard: the other precision's bound", "utils.py",
+     "bound = LOGPROB_GAP_BOUND[precision]", 'bound = LOGPROB_GAP_BOUND["bf16"]', NETWORK + ["-k", "guard_stops"]),
+    ("guard: PPO keeps the last minibatch's gap", "ppo_atari_native.py",
+     "if epoch == 0 and start == 0:", "if True:", ["tests/test_algorithm.py", "-k", "gap"]),
+    ("guard: A2C's gap signed", "a2c_atari.py",
+     "logprob_gap = (newlogprob - b_logprobs).abs().mean()  # the learner's log-probs against the rollout's",
+     "logprob_gap = (newlogprob - b_logprobs).mean()", ["tests/test_algorithm.py", "-k", "gap"]),
 ]  # fmt: skip
 
 
