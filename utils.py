@@ -1335,10 +1335,10 @@ class Profiler:
         if pending:
             self.add("GPU: batch-steps", sum(start.elapsed_time(end) for start, end in pending) / 1000)
         self.done += 1
-        if self.done == 1:
-            if not last:
-                self.totals.clear()  # the warm-up's times
+        if self.done == 1 and not last:  # the warm-up's times go; the wall clock starts
+            self.totals.clear()
             self.wall_start = time.perf_counter()
+        if self.done == 1:
             self.torch_profiler.start()  # after the first iteration, and after any CUDA graph capture
         else:
             self.torch_profiler.step()
@@ -1354,9 +1354,8 @@ class Profiler:
         for name, seconds in sorted(self.totals.items(), key=lambda kv: (kv[0] not in host, -kv[1])):
             share = f"{seconds / total:>8.1%}" if name in host else f"{'':>8}"
             lines.append(f"{name:<22}{seconds:>10.3f}{share}")
-        if (
-            self.wall_start is not None and "training" in host
-        ):  # threads' phases overlap: the update's share of wall time
+        # threads' phases overlap, so the update's share is of the wall time since the first iteration
+        if self.wall_start is not None and "training" in host:
             wall = time.perf_counter() - self.wall_start
             lines.append(f"wall time {wall:.3f} s, of which the update (training) {host['training'] / wall:.1%}")
         return "\n".join(lines)

@@ -1,5 +1,7 @@
 """ppo_atari_native.py and utils' env machinery: the fast path must compute what the plain one does."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -264,10 +266,11 @@ def test_drivers_compute_the_same_run(runs_dir):
         assert all(torch.equal(model[k], models[0][k]) for k in model)
 
 
-@pytest.mark.parametrize("script,iterations", [("ppo_atari_native.py", 6), ("a2c_atari.py", 2)])
+@pytest.mark.parametrize("script,iterations", [("ppo_atari_native.py", 6), ("a2c_atari.py", 2), ("a2c_atari.py", 1)])
 def test_profile_writes_a_trace_and_one_table_of_phases(script, iterations, runs_dir):
     """--profile traces iterations 2-4 (or up to the last) and prints one table of time per
-    phase, after the 4th iteration's line (or the last's)."""
+    phase, after the 4th iteration's line (or the last's), with the update's share of the wall
+    time of iterations 2-4 where there are any."""
     args = ["--num-envs", "4", "--num-steps", "32", "--total-timesteps", str(128 * iterations), "--profile"]
     args += ["--num-minibatches", "4"] if script == "ppo_atari_native.py" else ["--log-interval", "1"]
     result = run_script(script, *args, "--runs-dir", runs_dir)
@@ -278,4 +281,6 @@ def test_profile_writes_a_trace_and_one_table_of_phases(script, iterations, runs
     assert {"env wait", "launch", "GPU wait", "training"} <= rows.keys(), rows
     assert None not in rows.values(), rows  # on CPU every phase is the host's
     assert abs(sum(rows.values()) - 100) < 0.5
+    share = re.search(r"of which the update \(training\) ([\d.]+)%", result.stdout)
+    assert (share is not None) == (iterations > 1) and (share is None or 0 < float(share[1]) <= 100), share
     assert "profiler trace: " in result.stdout
