@@ -1,8 +1,14 @@
-"""A2C on Atari with rl-zoo's settings, on ppo_atari_native.py's fast rollout.
+"""A2C on Atari with SLM Lab's settings, on ppo_atari_native.py's fast rollout.
 
-16 envs x 5 steps, n-step returns (GAE with lambda 1), one gradient step per rollout, RMSprop
-with TensorFlow's epsilon at a constant learning rate, no advantage normalization; logged every
---log-interval iterations (an iteration is 80 agent steps). The rollout: docs/rollout.md.
+16 envs x 32 steps, GAE with lambda 0.95, one gradient step per rollout, PyTorch's RMSprop (lr
+7e-4, alpha 0.99, eps 1e-5) at a constant rate, value coefficient 0.5 on the plain squared error,
+entropy 0.01, gradient norm 0.5, no advantage normalization: SLM Lab's ALE v5 A2C
+(kengz/SLM-Lab, slm_lab/spec/benchmark_arc/a2c/a2c_atari_arc.yaml). The update is
+Stable-Baselines3's A2C. rl-zoo's Atari A2C is one set of flags away:
+--num-steps 5 --gae-lambda 1 --vf-coef 0.25 --optimizer rmsprop-tf
+(n-step returns, TensorFlow's RMSprop); under sticky actions it hardly learns in 3M steps
+(benchmarks/results/a2c_3M.md). Logged every --log-interval iterations (an iteration is 512
+agent steps). The rollout: docs/rollout.md.
 Run: python a2c_atari.py --env-id Breakout-v5
 """
 
@@ -15,6 +21,7 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.optim as optim
 from torch.distributions.categorical import Categorical
 
 import kernels
@@ -33,9 +40,9 @@ class Args:
     """auto (CUDA if available, else CPU), cpu, cuda or cuda:N"""
     runs_dir: str = "runs"
     """where run directories are created (made if missing)"""
-    save_interval: int = 2500
+    save_interval: int = 400
     """write a checkpoint every this many iterations (and at the end); at least 1"""
-    log_interval: int = 100
+    log_interval: int = 16
     """write losses, SPS and the progress line every this many iterations (and at the end), at least 1"""
     resume: str | None = None
     """a checkpoint.pt, or its run directory, to continue from (in that run directory)"""
@@ -71,26 +78,28 @@ class Args:
     """the learning rate of the optimizer (finite, > 0)"""
     num_envs: int = 16
     """the number of parallel game environments; at least 1"""
-    num_steps: int = 5
+    num_steps: int = 32
     """the number of steps to run in each environment per policy rollout; at least 1"""
     anneal_lr: bool = False
     """toggle learning rate annealing for policy and value networks"""
     gamma: float = 0.99
     """the discount factor gamma, in [0, 1]"""
-    gae_lambda: float = 1.0
+    gae_lambda: float = 0.95
     """the lambda for the general advantage estimation, in [0, 1]"""
     norm_adv: bool = False
     """toggles advantages normalization"""
     ent_coef: float = 0.01
     """coefficient of the entropy (finite, >= 0)"""
-    vf_coef: float = 0.25
-    """coefficient of the value function (finite, >= 0)"""
+    vf_coef: float = 0.5
+    """coefficient of the value function's squared error (finite, >= 0)"""
     max_grad_norm: float = 0.5
     """the maximum norm for the gradient clipping (finite, > 0)"""
+    optimizer: Literal["rmsprop", "rmsprop-tf"] = "rmsprop"
+    """rmsprop: PyTorch's (SLM Lab's); rmsprop-tf: TensorFlow's (rl-zoo's): squared-gradient average from ones"""
     rms_alpha: float = 0.99
     """RMSprop's smoothing constant (decay of the squared-gradient average), in [0, 1)"""
     rms_eps: float = 1e-5
-    """RMSprop's epsilon, added inside the square root (TensorFlow style); finite, >= 0"""
+    """RMSprop's epsilon (rmsprop: added to the root; rmsprop-tf: inside it); finite, >= 0"""
     life_loss_terminal: bool = True
     """treat a lost life as terminal for the learner (returns are still logged per full game)"""
 
@@ -213,9 +222,7 @@ def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_retur
     newvalue = newvalue.view(-1)
 
     pg_loss = -(b_advantages * newlogprob).mean()
-    # Value loss: the plain mean squared error, as stable-baselines3's A2C does
-    # (F.mse_loss(returns, values) * vf_coef), without the 1/2 of the PPO scripts:
-    # vf_coef 0.25 is rl-zoo's value tuned for that form
+    # Value loss: the plain mean squared error, as SB3's and SLM Lab's A2C (no 1/2 as in the PPO scripts)
     v_loss = ((newvalue - b_returns) ** 2).mean()
     entropy_loss = entropy.mean()
     loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
@@ -253,7 +260,7 @@ if __name__ == "__main__":
         checkpoint = None
         if args.resume is not None:
             checkpoint = utils.load_checkpoint(args.resume, script, args.env_id, Agent, resume=True)
-            utils.check_resume_args(checkpoint, args)
+            utils.check_resume_args(checkpoint, args, ("num_envs", "num_steps", "total_timesteps", "optimizer"))
         if args.eval_checkpoint is not None:
             evaluated = utils.load_checkpoint(args.eval_checkpoint, script, args.env_id, Agent)
             args.env_id = utils.canonical_env_id(evaluated["env_id"])
@@ -299,12 +306,15 @@ if __name__ == "__main__":
 
     # optimizer; --compile: a tensor rate, annealed in place, so that the compiled step never recompiles
     lr = torch.tensor(args.learning_rate, device=device) if args.compile else args.learning_rate
-    optimizer = RMSpropTF(agent.parameters(), lr=lr, alpha=args.rms_alpha, eps=args.rms_eps)
+    hyper = dict(lr=lr, alpha=args.rms_alpha, eps=args.rms_eps)
+    if args.optimizer == "rmsprop":
+        hyper |= utils.optimizer_options(device, args.compile, has_fused=False)
+        optimizer = optim.RMSprop(agent.parameters(), **hyper)
+    else:
+        optimizer = RMSpropTF(agent.parameters(), **hyper)
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        # the command line's lr, alpha and eps, not the saved ones
-        optimizer.param_groups[0].update(lr=lr, alpha=args.rms_alpha, eps=args.rms_eps)
+        utils.load_optimizer(optimizer, checkpoint["optimizer"], hyper)
         utils.set_rng_states(checkpoint["rng"], device)
 
     def save(iteration, step, path=run_dir / "checkpoint.pt"):

@@ -347,11 +347,11 @@ if __name__ == "__main__":
 
     # optimizer; --compile: a tensor rate, annealed in place, so that the compiled step never recompiles
     lr = torch.tensor(args.learning_rate, device=device) if args.compile else args.learning_rate
-    optimizer = optim.Adam(agent.parameters(), lr=lr, eps=1e-5, **utils.adam_options(device, args.compile))
+    hyper = dict(lr=lr, eps=1e-5) | utils.optimizer_options(device, args.compile)
+    optimizer = optim.Adam(agent.parameters(), **hyper)
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        optimizer.param_groups[0]["lr"] = lr  # the command line's rate, not the saved one
+        utils.load_optimizer(optimizer, checkpoint["optimizer"], hyper)
         utils.set_rng_states(checkpoint["rng"], device)
     if distributed:  # rank 0's weights everywhere, each rank its own samples
         for tensor in agent.state_dict().values():

@@ -876,13 +876,23 @@ class CompiledStep:
         return "" if self.seconds is None else f", compile {self.seconds:.1f} s"
 
 
-def adam_options(device: torch.device, compile: bool) -> dict:
-    """Adam's implementation: eager, the fused kernel on CUDA; --compile (a tensor rate, which a
-    foreach Adam reads only when capturable): the capturable foreach Adam on CUDA, which Inductor
-    fuses and CUDA graphs replay (its step count on the device), the single-tensor one on the CPU."""
+def optimizer_options(device: torch.device, compile: bool, has_fused=True) -> dict:
+    """A torch optimizer's implementation (Adam's, RMSprop's): eager, the fused kernel on CUDA where
+    there is one; --compile (a tensor rate, which a foreach optimizer reads only when capturable):
+    capturable foreach on CUDA, which Inductor fuses and CUDA graphs replay (its step count on the
+    device), single-tensor on the CPU. Every key is set, so that a resume can impose them."""
+    cuda = device.type == "cuda"
     if not compile:
-        return dict(fused=device.type == "cuda")
-    return dict(foreach=device.type == "cuda", capturable=device.type == "cuda")
+        return dict(foreach=None, capturable=False) | (dict(fused=cuda or None) if has_fused else {})
+    return dict(foreach=cuda, capturable=cuda) | (dict(fused=None) if has_fused else {})
+
+
+def load_optimizer(optimizer, saved: dict, hyper: dict):
+    """Restore a checkpoint's optimizer state under this run's `hyper` (rate, implementation), not
+    the saved ones, so that eager and --compile can resume each other's checkpoints: set before
+    loading too, which puts the step counts where this implementation keeps them."""
+    optimizer.load_state_dict(saved | {"param_groups": [group | hyper for group in saved["param_groups"]]})
+    optimizer.param_groups[0].update(hyper)  # the rate tensor itself, not the copy loading made
 
 
 def set_lr(optimizer, lr: float):

@@ -41,7 +41,9 @@ VARIANTS = {
     "baseline": ("ppo_atari_baseline.py", []),
     "native-fp32": ("ppo_atari_native.py", ["--precision", "fp32"]),
     "native-bf16": ("ppo_atari_native.py", ["--precision", "bf16"]),
+    "native-fp32-lam0.70": ("ppo_atari_native.py", ["--precision", "fp32", "--gae-lambda", "0.7"]),
     "a2c": ("a2c_atari.py", []),
+    "a2c-rlzoo": ("a2c_atari.py", "--num-steps 5 --gae-lambda 1 --vf-coef 0.25 --optimizer rmsprop-tf".split()),
 }
 WINDOW = 20  # games in the running mean, as in the issue's target
 LAST_GAMES = 100  # a second, less noisy end-of-run mean
@@ -87,16 +89,42 @@ def running_mean(values, window=WINDOW):
     return np.array([values[max(0, i + 1 - window) : i + 1].mean() for i in range(len(values))])
 
 
+def find_run(runs_dir, name, seed):
+    """The run directory of `name` and `seed` under runs_dir (the newest, if several), or None."""
+    found = sorted(Path(runs_dir).glob(f"*__{name}__{seed}__*"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def checkpoint_step(run_dir):
+    """The agent steps a run directory's checkpoint holds (0 if none), and whether it ended (model.pt)."""
+    import torch
+
+    for name in ("model.pt", "checkpoint.pt"):
+        path = Path(run_dir) / name
+        if path.is_file():
+            return torch.load(path, map_location="cpu", weights_only=True)["global_step"], name == "model.pt"
+    return 0, False
+
+
 def train(name, seed, total_timesteps, runs_dir, schedule_timesteps=None):
     """Run one script to `total_timesteps`; with `schedule_timesteps`, run it as a run of that
     length (its learning rate anneals over it, as in a default 10M-step run) and stop it with
-    SIGTERM (a clean stop) at the first iteration that reaches `total_timesteps`."""
+    SIGTERM (a clean stop) at the first iteration that reaches `total_timesteps`. A run of this
+    variant and seed already in runs_dir is resumed from its checkpoint (or read, if it got there)."""
     script, extra = VARIANTS[name]
     command = [sys.executable, str(ROOT / script), *extra, "--seed", str(seed)]
     command += ["--total-timesteps", str(schedule_timesteps or total_timesteps)]
-    command += ["--runs-dir", runs_dir, "--exp-name", f"{name}"]
+    run_dir = find_run(runs_dir, name, seed)
+    done, ended = checkpoint_step(run_dir) if run_dir is not None else (0, False)
+    if ended or done >= total_timesteps:
+        print(f"{name} seed {seed}: read from {run_dir} ({done:,} steps)", file=sys.stderr, flush=True)
+        return [row for row in returns_of(run_dir) if row[0] <= done]
+    if done > 0:
+        command += ["--resume", str(run_dir)]
+    else:
+        command += ["--runs-dir", str(runs_dir), "--exp-name", name]
     print(" ".join(command[1:]), file=sys.stderr, flush=True)
-    run_dir, stop_step = None, None
+    stop_step = None
     with tempfile.TemporaryFile("w+") as stderr:
         process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
         for line in process.stdout:
@@ -243,6 +271,12 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learning"))
+    parser.add_argument(
+        "--runs-dir",
+        default=None,
+        help="where the runs are kept (default runs/learning/NAME, NAME from --out): a run cut short, by a stop or "
+        "a lost machine, is resumed from its checkpoint by the same command, and a finished one is only read",
+    )
     parser.add_argument("--plot-only", action="store_true", help="redraw the plot and summary from OUT.csv")
     parser.add_argument("--append", action="store_true", help="keep OUT.csv's other runs; replace only the ones rerun")
     parser.add_argument(
@@ -266,15 +300,15 @@ def main():
         if args.append and out_csv.exists():  # runs take an hour each: add to a results file, run by run
             rerun = {(name, seed) for name in args.variants for seed in args.seeds}
             rows = [row for row in read_rows(out_csv) if (row[0], int(row[1])) not in rerun]
-        with tempfile.TemporaryDirectory() as runs_dir:
-            for seed in args.seeds:  # seed-major, so a cut-short benchmark still compares scripts
-                for name in args.variants:
-                    for step, wall, ret in train(name, seed, args.total_timesteps, runs_dir, args.schedule_timesteps):
-                        rows.append((name, seed, int(step), round(wall, 2), ret))
-                    with open(out_csv, "w", newline="") as f:  # after every run: nothing is lost
-                        writer = csv.writer(f)
-                        writer.writerow(COLUMNS)
-                        writer.writerows(rows)
+        runs_dir = Path(args.runs_dir or ROOT / "runs" / "learning" / Path(args.out).name)
+        for seed in args.seeds:  # seed-major, so a cut-short benchmark still compares scripts
+            for name in args.variants:
+                for step, wall, ret in train(name, seed, args.total_timesteps, runs_dir, args.schedule_timesteps):
+                    rows.append((name, seed, int(step), round(wall, 2), ret))
+                with open(out_csv, "w", newline="") as f:  # after every run: nothing is lost
+                    writer = csv.writer(f)
+                    writer.writerow(COLUMNS)
+                    writer.writerows(rows)
     rows = read_rows(out_csv)
     print(
         f"Breakout-v5, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), no GPU, "

@@ -105,7 +105,8 @@ def test_a2c_bf16_stop_and_resume_as_tensorboard_shows_it(runs_dir):
         (["--num-envs", "6", "--num-gpu-batches", "4"], "--num-envs 6 is not divisible by --num-gpu-batches 4"),
         (["--env-id", "Breakoutt-v5"], "did you mean Breakout-v5"),
         (["--log-interval", "0"], "--log-interval must be at least 1"),
-        (["--total-timesteps", "50"], "below one batch (80 steps)"),
+        (["--total-timesteps", "50"], "below one batch (512 steps)"),
+        (["--optimizer", "adam"], "--optimizer"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, message):

@@ -70,7 +70,7 @@ def ppo_updates(compile, args, perturb, updates=2, infinite_returns=False):
     between them: the per-minibatch losses, the stats and non-finite flags, the weights after."""
     agent, batch = ppo_batch(perturb, infinite_returns)
     lr = torch.tensor(args.learning_rate) if compile else args.learning_rate
-    optimizer = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5, **utils.adam_options(CPU, compile))
+    optimizer = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5, **utils.optimizer_options(CPU, compile))
     losses, results, graphs_after = [], [], []
     step = recording(compiled("native") if compile else native.minibatch_step, losses)
     torch.manual_seed(5)

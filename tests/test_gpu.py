@@ -272,7 +272,7 @@ def cuda_updates(script, compile, updates=3):
             update_epochs=2, batch_size=B, minibatch_size=B // 4, clip_coef=0.1, norm_adv=True, clip_vloss=True,
             ent_coef=0.01, vf_coef=0.5, max_grad_norm=0.5, target_kl=None,
         )  # fmt: skip
-        optimizer = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5, **utils.adam_options(device, compile))
+        optimizer = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5, **utils.optimizer_options(device, compile))
         step = utils.CompiledStep(native.minibatch_step, device) if compile else native.minibatch_step
 
         def record(*a):
