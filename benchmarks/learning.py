@@ -43,6 +43,7 @@ VARIANTS = {
     "native-bf16": ("ppo_atari_native.py", ["--precision", "bf16"]),
     "native-fp32-lam0.70": ("ppo_atari_native.py", ["--precision", "fp32", "--gae-lambda", "0.7"]),
     "a2c": ("a2c_atari.py", []),
+    "sb3-a2c": ("benchmarks/sb3_a2c.py", []),  # Stable-Baselines3's A2C as a2c_atari.py's defaults
     "a2c-rlzoo": ("a2c_atari.py", "--num-steps 5 --gae-lambda 1 --vf-coef 0.25 --optimizer rmsprop-tf".split()),
 }
 WINDOW = 20  # games in the running mean, as in the issue's target
