@@ -1,7 +1,9 @@
 """Learning curves: return vs agent steps and vs wall time, for each script and seed.
 
-Runs the scripts one after another (never two at once: they would share the cores), reads
-every full-game return from their TensorBoard files, and writes
+Runs the scripts one after another (never two at once: they would share the cores), keeping
+each run under runs/learning/NAME (NAME from --out): the same command resumes a run that a stop
+or a lost machine cut short, from its checkpoint, and only reads a finished one. It reads every
+full-game return from their TensorBoard files, and writes
   OUT.csv  rows (script, seed, step, wall_time_s, return)
   OUT.png  return vs steps and return vs wall time (mean of the last 20 games, per run)
 and prints a summary: the mean return over the last 20 and the last 100 full games of each run,
@@ -10,9 +12,12 @@ final one, the mean return of the games ended in each fifth of the run (the whol
 its end), and per script the mean over seeds of the last fifth with a 95% confidence interval
 (Student's t over seeds), and the paired difference of each script from the baseline (seed by
 seed, the seeds both ran) with its interval. An interval that contains 0 does not show a
-difference. rl-zoo's published A2C Breakout points are drawn beside A2C runs.
+difference. SLM Lab's published Breakout-v5 points (PUBLISHED: each names its file) are drawn
+beside the runs of the same algorithm, where they fall inside the plot's steps.
 matplotlib is needed for the plot only: pip install -r benchmarks/requirements.txt
 Run: python benchmarks/learning.py --total-timesteps 500000 --seeds 1 2
+     python benchmarks/learning.py --total-timesteps 2000000 --variants a2c sb3-a2c --at 1000000 2000000
+       (a2c_atari.py beside Stable-Baselines3's A2C with its settings: pip install -r benchmarks/requirements.txt)
      python benchmarks/learning.py --total-timesteps 500000 --schedule-timesteps 10000000
        (the first 500k steps of default 10M-step runs, stopped cleanly there)
      python benchmarks/learning.py --seeds 3 --variants a2c --append  (add runs to OUT.csv)
@@ -50,9 +55,23 @@ WINDOW = 20  # games in the running mean, as in the issue's target
 LAST_GAMES = 100  # a second, less noisy end-of-run mean
 # Student's t, two-sided 95%, by degrees of freedom (seeds - 1); scipy is not a requirement
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
-# rl-zoo's A2C on BreakoutNoFrameskip-v4 (no sticky actions, FIRE after every lost life):
-# (agent steps, mean return), read from its published training curve
-RL_ZOO_A2C = [(500_000, 1.3), (1_000_000, 2.1), (2_500_000, 3.8), (4_000_000, 18.0)]
+# Published Breakout-v5 points under our protocol (sticky actions, a lost life terminal), each
+# with its source: algorithm -> (label, source, [(agent steps, mean return)]). SLM Lab's "frames"
+# are its vector env's steps times the envs (slm_lab/env/wrappers.py, tick_timestep): our agent steps.
+SLM_PLOT = "kengz/SLM-Lab docs/plots/Breakout-v5_multi_trial_graph_mean_returns_ma_vs_frames.png"
+PUBLISHED = {
+    "a2c": (
+        "SLM Lab A2C (read by eye off its plot; 10M: its table)",
+        f"{SLM_PLOT}; kengz/SLM-Lab docs/BENCHMARKS.md (a2c_gae_atari_arc, 273)",
+        [(1_000_000, 8.0), (2_000_000, 28.0), (3_000_000, 50.0), (10_000_000, 273.0)],
+    ),
+    "ppo": (
+        "SLM Lab PPO, lambda 0.70 (its table)",
+        "kengz/SLM-Lab docs/BENCHMARKS.md (ppo_atari_lam70_arc, 326.47)",
+        [(10_000_000, 326.47)],
+    ),
+}
+ALGORITHM = {"baseline": "ppo", "a2c": "a2c", "sb3-a2c": "a2c"}  # variants not named here are "ppo" or "a2c" by prefix
 COLUMNS = ["script", "seed", "step", "wall_time_s", "return"]  # of OUT.csv
 PROGRESS = re.compile(r"step ([\d,]+)/")  # the scripts' progress line
 
@@ -158,9 +177,12 @@ def plot(rows, path):
         label = name if seed == min(s for n, s in group(rows) if n == name) else None
         by_step.plot(steps, mean, color=color, label=label, alpha=0.9)
         by_time.plot(times / 60, mean, color=color, label=label, alpha=0.9)
-    if any(name == "a2c" for name, _ in group(rows)):
-        steps, returns = zip(*RL_ZOO_A2C)
-        by_step.plot(steps, returns, "k^", label="rl-zoo A2C (v4, published)")
+    last_step = max(float(step) for _, _, step, _, _ in rows)
+    for marker, algorithm in zip("^v", sorted({algorithm_of(name) for name, _ in group(rows)})):
+        label, _, points = PUBLISHED[algorithm]
+        shown = [(step, value) for step, value in points if step <= last_step * 1.05]
+        if shown:
+            by_step.plot(*zip(*shown), "k" + marker, label=label)
     by_step.set_xlabel("agent steps")
     by_time.set_xlabel("wall time (minutes)")
     for ax in (by_step, by_time):
@@ -170,6 +192,10 @@ def plot(rows, path):
     fig.suptitle("Breakout-v5, one line per seed")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def algorithm_of(name):
+    return ALGORITHM.get(name, "a2c" if name.startswith("a2c") else "ppo")
 
 
 def group(rows):
@@ -192,7 +218,7 @@ def bounds(mean, half, sign=""):
     return "[no interval from 1 seed]" if np.isnan(half) else f"[{mean - half:{sign}.2f}, {mean + half:{sign}.2f}]"
 
 
-def summary(rows):
+def summary(rows, marks=()):
     runs = group(rows)
     finals = {key: float(np.mean([r for _, _, r in run[-WINDOW:]])) for key, run in runs.items()}
     base = [v for (name, _), v in finals.items() if name == "baseline"]
@@ -251,6 +277,26 @@ def summary(rows):
             diff, diff_half = interval([last_fifth[name][s] - base[s] for s in shared])
             paired = f"{diff:+.2f} {bounds(diff, diff_half, '+')} ({len(shared)} seeds)"
         lines.append(f"| {name} | {len(last_fifth[name])} | {mean:.2f} {bounds(mean, half)} | {paired} |")
+    # where the targets are set: the mean of the last LAST_GAMES games ended by each mark, per run
+    if marks:
+        head = " | ".join(f"at {mark / 1e6:g}M" for mark in marks)
+        lines += ["", f"| script | seed | {head} (last {LAST_GAMES} games by then) |"]
+        lines.append("|---|---|" + "---|" * len(marks))
+        at = {}
+        for (name, seed), run in sorted(runs.items()):
+            steps, _, returns = np.array(run).T
+            means = [returns[steps <= mark][-LAST_GAMES:].mean() if (steps <= mark).any() else np.nan for mark in marks]
+            at.setdefault(name, []).append(means)
+            lines.append(f"| {name} | {seed} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
+        for name, values in sorted(at.items()):
+            values = np.array(values)
+            cells = [f"{v.mean():.2f} ({v.min():.2f}-{v.max():.2f})" for v in values.T]
+            lines.append(f"| {name} | mean (range) of {len(values)} | " + " | ".join(cells) + " |")
+    lines += ["", "| published | points (agent steps: mean return) | source |", "|---|---|---|"]
+    for algorithm in sorted({algorithm_of(name) for name in last_fifth}):
+        label, source, points = PUBLISHED[algorithm]
+        text = ", ".join(f"{step / 1e6:g}M: {value:g}" for step, value in points)
+        lines.append(f"| {label} | {text} | {source} |")
     return "\n".join(lines)
 
 
@@ -270,6 +316,10 @@ def main():
         "anneals over 10M steps) and stop it at --total-timesteps; default: a run of --total-timesteps",
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--at", type=int, nargs="*", default=[], metavar="STEP",
+        help=f"also give each run's mean return over its last {LAST_GAMES} games by these agent steps",
+    )  # fmt: skip
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learning"))
     parser.add_argument(
@@ -315,7 +365,7 @@ def main():
         f"Breakout-v5, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), no GPU, "
         f"{time.strftime('%Y-%m-%d')}{' (drawn from OUT.csv; the runs may be older)' if args.plot_only else ''}\n"
     )
-    print(summary(rows))
+    print(summary(rows, args.at))
     try:
         plot(rows, out_png)
         print(f"\nplot: {out_png}")
