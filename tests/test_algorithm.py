@@ -175,16 +175,22 @@ def adam_steps(weights_before, applied, lr, beta1=0.9, beta2=0.999, eps=1e-5):
     return after
 
 
-def rmsprop_tf_steps(weights_before, applied, args):
-    """Stable-Baselines3's RMSpropTFLike in float64, as adam_steps: the square average starts at
-    ones and eps goes inside the root."""
+def rmsprop_steps(weights_before, applied, args):
+    """RMSprop in float64, as adam_steps. PyTorch's (SB3's A2C default): the square average starts
+    at zeros, eps is added to the root; TensorFlow's (SB3's RMSpropTFLike, rl-zoo's): the square
+    average starts at ones, eps goes inside the root."""
+    tf = args.optimizer == "rmsprop-tf"
     square_avg, after = {}, []
     for weights, grads in zip(weights_before, applied):
         after.append({})
         for name, g in grads.items():
             g = g.double()
-            square_avg[name] = args.rms_alpha * square_avg.get(name, 1.0) + (1 - args.rms_alpha) * g**2
-            denominator = (square_avg[name] + args.rms_eps).sqrt()
+            start = 1.0 if tf else 0.0
+            square_avg[name] = args.rms_alpha * square_avg.get(name, start) + (1 - args.rms_alpha) * g**2
+            if tf:
+                denominator = (square_avg[name] + args.rms_eps).sqrt()
+            else:
+                denominator = square_avg[name].sqrt() + args.rms_eps
             after[-1][name] = weights[name].double() - args.learning_rate * g / denominator
     return after
 
@@ -430,25 +436,37 @@ def test_ppo_epochs_of_minibatches_equal_cleanrl(script):
     assert_steps_equal(run.steps, expected, run.weights_before, run.after)
 
 
-# rl-zoo's Atari A2C but ent_coef 0.1 (see PPO_ARGS) and gamma 0.98 (rl-zoo's is rms_alpha's 0.99)
+# SLM Lab's Atari A2C (the script's defaults) but ent_coef 0.1 (see PPO_ARGS), gamma 0.98 and
+# max_grad_norm 0.4, so that no two coefficients are equal (SLM Lab's are vf_coef's 0.5 and rms_alpha's 0.99)
 A2C_ARGS = dict(
-    learning_rate=7e-4, gamma=0.98, gae_lambda=1.0, norm_adv=False, ent_coef=0.1, vf_coef=0.25, max_grad_norm=0.5,
-    rms_alpha=0.99, rms_eps=1e-5,
+    learning_rate=7e-4, gamma=0.98, gae_lambda=0.95, norm_adv=False, ent_coef=0.1, vf_coef=0.5, max_grad_norm=0.4,
+    optimizer="rmsprop", rms_alpha=0.99, rms_eps=1e-5,
 )  # fmt: skip
+RL_ZOO = dict(optimizer="rmsprop-tf", gae_lambda=1.0, vf_coef=0.25)  # n-step returns, TensorFlow's RMSprop
 
 
-@pytest.mark.parametrize("changes", [{}, dict(norm_adv=True, gae_lambda=0.95, rms_alpha=0.6, rms_eps=0.05)])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        dict(rms_alpha=0.6, rms_eps=0.05),
+        RL_ZOO,
+        dict(RL_ZOO, norm_adv=True, gae_lambda=0.95, rms_alpha=0.6, rms_eps=0.05),
+    ],
+)
 def test_a2c_updates_equal_stable_baselines3(changes):
-    """Two updates on the same batch (n-step returns, RMSprop as rl-zoo sets it; then advantage
-    normalization, GAE, and an RMSprop whose eps and start value matter): the losses, the
-    gradients before and after clipping and the weights after RMSprop-TF, each time."""
+    """Two updates on the same batch, with the script's optimizer as its main block makes it: SLM
+    Lab's settings (GAE, PyTorch's RMSprop), then an RMSprop whose eps and alpha matter; rl-zoo's
+    (n-step returns, TensorFlow's RMSprop), then with advantage normalization, GAE and such an
+    RMSprop: the losses, the gradients before and after clipping and the weights after each step."""
     args = SimpleNamespace(**{**A2C_ARGS, **changes})
     agent = make_agent(a2c)
     data = fixed_batch(agent, perturb=False)
     weights = {name: p.detach().clone() for name, p in agent.named_parameters()}
     gamma, lam = args.gamma, args.gae_lambda
     advantages, returns = script_advantages("a2c", data.rewards, data.values, TERMINAL, BEFORE, gamma, lam)
-    optimizer = a2c.RMSpropTF(agent.parameters(), lr=args.learning_rate, alpha=args.rms_alpha, eps=args.rms_eps)
+    hyper = dict(lr=args.learning_rate, alpha=args.rms_alpha, eps=args.rms_eps)
+    optimizer = (torch.optim.RMSprop if args.optimizer == "rmsprop" else a2c.RMSpropTF)(agent.parameters(), **hyper)
     steps = record_steps(agent, optimizer)
     batch = (data.obs.flatten(0, 1), data.actions.flatten(), data.logprobs.flatten())
     batch += (advantages.flatten(), returns.flatten())
@@ -459,7 +477,7 @@ def test_a2c_updates_equal_stable_baselines3(changes):
         updates.append(dict(zip(["v_loss", "pg_loss", "entropy"], losses[:3].tolist())))
     weights_before = [weights] + [step["params"] for step in steps]
     expected = reference_a2c(weights_before, reference_batch(data, gamma, lam), args, updates=2)
-    after = rmsprop_tf_steps(weights_before, [step["clipped"] for step in steps], args)
+    after = rmsprop_steps(weights_before, [step["clipped"] for step in steps], args)
     assert all(r["terms"]["grad_norm"] > 2 * args.max_grad_norm for r in expected)
     for losses, reference in zip(updates, expected):
         assert_losses_equal(losses, reference["terms"])
