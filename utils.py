@@ -262,11 +262,14 @@ def capture_graphs(step, num_steps, num_batches, streams):
     replay is a run); returns replay(t, b). A batch's graphs share a memory pool: they replay
     one after another on its stream. Captured after a warm_up, each batch on its own stream:
     cuBLAS keys its workspace by (handle, stream), so graphs captured on one stream would share
-    one workspace while different batches replay at once (docs/rollout.md, "CUDA graphs")."""
+    one workspace while different batches replay at once. Each batch captures with the workspaces
+    cleared, so that its own is made inside its pool, which keeps it whatever later clears them
+    (Inductor does under --compile); docs/rollout.md, "CUDA graphs"."""
     graphs = [[None] * num_batches for _ in range(num_steps)]
     torch.cuda.synchronize()
     for b in range(num_batches):
         pool = torch.cuda.graph_pool_handle()
+        torch._C._cuda_clearCublasWorkspaces()  # the next cuBLAS call, in capture, makes one in `pool`
         for t in range(num_steps):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(streams[b]):  # (torch.cuda.graph() would collect garbage per graph)
