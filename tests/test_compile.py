@@ -113,17 +113,32 @@ def test_compiled_ppo_update_flags_a_non_finite_loss():
     assert nonfinite and stats[6] == 6
 
 
-def a2c_updates(compile, changes, updates=3):
-    """`updates` A2C updates from the test's fixed weights and batch, the rate annealed between
-    them: each one's losses, the weights after, the graphs compiled after each."""
-    args = SimpleNamespace(**{**A2C_ARGS, **changes})
+def a2c_batch(args):
+    """The test's fixed A2C weights and batch: (agent, batch)."""
     agent = make_agent(a2c)
     data = fixed_batch(agent, perturb=True)
     advantages, returns = script_advantages("a2c", data.rewards, data.values, TERMINAL, BEFORE, args.gamma, 1.0)
     batch = (data.obs.flatten(0, 1), data.actions.flatten(), data.logprobs.flatten())
-    batch += (advantages.flatten(), returns.flatten())
-    lr = torch.tensor(args.learning_rate) if compile else args.learning_rate
-    optimizer = a2c.RMSpropTF(agent.parameters(), lr=lr, alpha=args.rms_alpha, eps=args.rms_eps)
+    return agent, batch + (advantages.flatten(), returns.flatten())
+
+
+def a2c_optimizer(name, agent, args, compile):
+    """The optimizer --optimizer `name` makes, as a2c_atari.py's main block makes it."""
+    hyper = dict(lr=torch.tensor(args.learning_rate) if compile else args.learning_rate)
+    hyper |= dict(alpha=args.rms_alpha, eps=args.rms_eps)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(
+            agent.parameters(), **hyper, **utils.optimizer_options(CPU, compile, has_fused=False)
+        )
+    return a2c.RMSpropTF(agent.parameters(), **hyper)
+
+
+def a2c_updates(compile, changes, updates=3):
+    """`updates` A2C updates from the test's fixed weights and batch, the rate annealed between
+    them: each one's losses, the weights after, the graphs compiled after each."""
+    args = SimpleNamespace(**{**A2C_ARGS, **changes})
+    agent, batch = a2c_batch(args)
+    optimizer = a2c_optimizer("rmsprop-tf", agent, args, compile)
     step = compiled("a2c") if compile else a2c.update
     losses, graphs_after = [], []
     for i in range(updates):
@@ -146,6 +161,24 @@ def test_compiled_a2c_update_equals_eager():
     for got, want in zip(compiled_[1], eager[1]):
         torch.testing.assert_close(got, want, **WEIGHTS)
     assert compiled_[2][0] == compiled_[2][-1], f"compiled again: graphs after each update {compiled_[2]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["rmsprop", "rmsprop-tf"])
+def test_the_compiled_a2c_update_sees_its_optimizer_state_at_static_addresses(name):
+    """CUDA graph trees replay a graph that updates an input in place only where Dynamo marked
+    that input a static address; else they skip the graph and launch its kernels one by one
+    every time. Dynamo marks an optimizer's state when the step fills its tensor lists through
+    `_init_group` (torch's optimizers do): so for both A2C optimizers, after a compiled update
+    (traced by Dynamo, no backend compile), every state tensor is marked."""
+    args = SimpleNamespace(**A2C_ARGS)
+    agent, batch = a2c_batch(args)
+    optimizer = a2c_optimizer(name, agent, args, compile=True)
+    utils.CompiledStep(a2c.update, CPU, backend="eager")(agent, optimizer, *batch, args, torch.float32)
+    state = [(key, t) for tensors in optimizer.state.values() for key, t in tensors.items()]
+    assert {key for key, _ in state} >= {"square_avg"} and len(state) >= len(list(agent.parameters()))
+    unmarked = {key for key, t in state if getattr(t, "_dynamo_static_input_type", None) is None}
+    assert not unmarked, f"not static addresses: {unmarked}"
 
 
 def test_a_failed_compile_runs_the_step_eagerly(capsys):
