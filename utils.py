@@ -5,6 +5,7 @@ evaluation, profiling. The design is written in docs/rollout.md, docs/update.md 
 """
 
 import contextlib
+import copy
 import csv
 import difflib
 import math
@@ -837,9 +838,10 @@ class CompiledStep:
     """--compile: `step` (the update's optimizer step: loss, backward, clip, optimizer) under
     torch.compile, on CUDA replayed from CUDA graphs (mode="reduce-overhead"); docs/update.md.
     It compiles at its first call, whose time it keeps (`seconds`, for the first progress line).
-    A call that raises compiled and not eagerly (a Dynamo or Inductor error, e.g. on an edited
-    network) is run again eagerly, as is every later one: one line on stderr says why. The step
-    zeroes the gradients first, so a compiled attempt that failed half-way leaves none behind."""
+    Where that call raises compiled and not eagerly (a Dynamo or Inductor error, e.g. on an
+    edited network), the optimizers' weights and state are put back as they were before it (its
+    graphs run as they compile: the optimizer's may have stepped) and it runs again eagerly, as
+    does every later call: one line on stderr says why. A later call's error raises."""
 
     def __init__(self, step, device: torch.device, backend="inductor"):
         global all_reduce_gradients  # here, not at import: torch._dynamo takes seconds to import
@@ -853,10 +855,15 @@ class CompiledStep:
     def __call__(self, *args):
         if self.eager:
             return self.step(*args)
+        if self.cuda:  # a new step: the last one's outputs were copied out, their memory is reused
+            torch.compiler.cudagraph_mark_step_begin()
+        if self.seconds is not None:
+            return self.compiled(*args)
+        optimizers = [arg for arg in args if isinstance(arg, torch.optim.Optimizer)]
+        weights = [(p, p.detach().clone()) for o in optimizers for group in o.param_groups for p in group["params"]]
+        states = [(o, {p: copy.deepcopy(state) for p, state in o.state.items()}) for o in optimizers]
         start = time.perf_counter()
         try:
-            if self.cuda:  # a new step: the last one's outputs were copied out, their memory is reused
-                torch.compiler.cudagraph_mark_step_begin()
             out = self.compiled(*args)
         except Exception as e:
             while getattr(e, "inner_exception", None) or e.__cause__:  # the backend's own error
@@ -864,9 +871,14 @@ class CompiledStep:
             reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
             reason = f"{type(e).__name__}: {reason}"[:300]
         else:
-            if self.seconds is None:
-                self.seconds = time.perf_counter() - start
+            self.seconds = time.perf_counter() - start
             return out
+        with torch.no_grad():  # its graphs ran as they compiled: the optimizer's may have stepped
+            for p, saved in weights:
+                p.copy_(saved)
+        for optimizer, state in states:
+            optimizer.state.clear()
+            optimizer.state.update(state)
         out = self.step(*args)  # outside the handler: an error of the step itself raises as it does eagerly
         self.eager = True
         print(f"warning: --compile: {reason}; the update runs eagerly", file=sys.stderr, flush=True)

@@ -200,12 +200,80 @@ def test_a_failed_compile_runs_the_step_eagerly(capsys):
     assert wrapped.eager and wrapped.text() == ", compile failed: eager"
 
 
+def test_a_compile_failing_after_the_optimizer_stepped_still_steps_once(capsys):
+    """The first call's graphs run as they compile: where the last one fails to compile, after the
+    optimizer's graph ran, the eager run that follows starts from the weights and optimizer state
+    before the call, so the minibatch's update is applied once, not twice."""
+
+    def backend(graph, example_inputs):
+        if any(node.target is torch.sin for node in graph.graph.nodes):
+            raise RuntimeError("cannot lower the last graph")
+        return graph.forward
+
+    def step(w, optimizer):
+        optimizer.zero_grad()
+        (w * w).sum().backward()
+        optimizer.step()
+        return torch.sin(w).sum()
+
+    runs = []
+    for wrapped in (step, utils.CompiledStep(step, CPU, backend=backend)):
+        w = torch.nn.Parameter(torch.arange(4.0))
+        optimizer = torch.optim.Adam([w], lr=0.1)
+        wrapped(w, optimizer)
+        runs.append((w.detach(), optimizer.state[w]["step"], optimizer.state[w]["exp_avg_sq"]))
+    assert "cannot lower the last graph" in capsys.readouterr().err
+    for got, want in zip(runs[1], runs[0]):
+        torch.testing.assert_close(got, want)
+
+
+def test_after_its_first_call_a_compiled_step_raises_what_fails():
+    """Only the first call compiles the update's graphs (tests above count them): an error after
+    it, compiling or not, raises instead of switching to eager half-way through a run."""
+
+    def backend(graph, example_inputs):
+        if example_inputs[0].shape[0] == 5:
+            raise RuntimeError("a recompile failed")
+        return graph.forward
+
+    wrapped = utils.CompiledStep(lambda x: (x * 2).sum(), CPU, backend=backend)
+    assert wrapped(torch.ones(4)).item() == 8
+    with pytest.raises(Exception, match="a recompile failed"):
+        wrapped(torch.ones(5))
+    assert not wrapped.eager
+
+
 def test_an_error_of_the_step_itself_raises_as_it_does_eagerly():
     def step(x):
         raise ValueError("a bug in the step")
 
     with pytest.raises(ValueError, match="a bug in the step"):
         utils.CompiledStep(step, CPU)(torch.ones(1))
+
+
+@pytest.mark.parametrize("name", ["adam", "rmsprop"])
+@pytest.mark.parametrize("written_by, resumed_by", [("eager", "--compile"), ("--compile", "eager")])
+def test_a_resume_runs_this_runs_optimizer_implementation(name, written_by, resumed_by):
+    """A checkpoint's param_groups keep the writer's implementation flags (fused, foreach,
+    capturable), which load_state_dict would restore. Written on CUDA eagerly (Adam fused) or with
+    --compile (capturable foreach), then resumed the other way on the CPU: the loaded optimizer
+    has this run's flags and rate tensor, and steps."""
+    optimizer_class, has_fused = {"adam": (torch.optim.Adam, True), "rmsprop": (torch.optim.RMSprop, False)}[name]
+    layer = torch.nn.Linear(3, 2)
+    writer = optimizer_class(layer.parameters(), lr=1e-3, **utils.optimizer_options(CPU, False, has_fused))
+    layer(torch.ones(1, 3)).sum().backward()
+    writer.step()
+    saved = writer.state_dict()
+    written = utils.optimizer_options(torch.device("cuda", 0), written_by == "--compile", has_fused)
+    saved["param_groups"] = [group | written for group in saved["param_groups"]]
+    compile = resumed_by == "--compile"
+    hyper = dict(lr=torch.tensor(1e-3) if compile else 1e-3) | utils.optimizer_options(CPU, compile, has_fused)
+    optimizer = optimizer_class(layer.parameters(), **hyper)
+    utils.load_optimizer(optimizer, saved, hyper)
+    group = optimizer.param_groups[0]
+    assert {key: group[key] for key in hyper if key != "lr"} == {key: hyper[key] for key in hyper if key != "lr"}
+    assert group["lr"] is hyper["lr"]
+    optimizer.step()
 
 
 # ----------------------------------------------------------------------------- end to end
