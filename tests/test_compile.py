@@ -13,6 +13,7 @@ torchrun with two gloo ranks compiled against eagerly.
 """
 
 import functools
+import re
 import shutil
 import signal
 import subprocess
@@ -315,7 +316,9 @@ def first_progress_line(stdout):
 @pytest.mark.slow
 def test_a_run_resumed_with_compile_equals_the_eager_resume(runs_dir, tmp_path):
     """Stopped after its first of 3 iterations, a PPO run (the fused policy step) resumed with
-    --compile and eagerly: the same losses and weights; the compile's time on the first line."""
+    --compile and eagerly: the same losses and weights; the compile's time on the first line. The
+    frames' storage is a static input of the compiled graphs (under CUDA graphs read in place, not
+    copied at every replay), as AOTAutograd logs it."""
     args = [*TINY, "--total-timesteps", 3 * 256, "--runs-dir", runs_dir]
     stopped = stop_after_first_progress("ppo_atari_native.py", args, signal.SIGINT)
     assert stopped.returncode == 0, stopped.stderr[-2000:]
@@ -323,8 +326,11 @@ def test_a_run_resumed_with_compile_equals_the_eager_resume(runs_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
     run_script("ppo_atari_native.py", *args, "--resume", run_dir)  # eagerly
-    resumed = run_script("ppo_atari_native.py", *args, "--resume", copy, "--compile")
+    resumed = run_script(
+        "ppo_atari_native.py", *args, "--resume", copy, "--compile", env={"TORCH_LOGS": "cudagraph_static_inputs"}
+    )
     assert "warning" not in resumed.stderr, resumed.stderr[-2000:]
+    assert re.search(r"Adding static input pos \d+ for source L\['b_obs'\]", resumed.stderr), resumed.stderr[-2000:]
     assert ", compile " in first_progress_line(resumed.stdout) and "policy fused" in resumed.stdout.splitlines()[0]
     assert_models_close(model_of(copy), model_of(run_dir), "resumed with --compile")
     assert_losses_close(copy, run_dir)
