@@ -847,6 +847,9 @@ class CompiledStep:
         global all_reduce_gradients  # here, not at import: torch._dynamo takes seconds to import
         if not hasattr(all_reduce_gradients, "_torchdynamo_orig_callable"):
             all_reduce_gradients = torch.compiler.disable(all_reduce_gradients)
+        import torch._inductor.config as inductor
+
+        inductor.emulate_precision_casts = True  # bf16: round where autocast and the rollout do
         self.step, self.cuda = step, device.type == "cuda"
         mode = "reduce-overhead" if self.cuda else None
         self.compiled = torch.compile(step, backend=backend, mode=mode, dynamic=False)

@@ -182,6 +182,23 @@ def test_the_compiled_a2c_update_sees_its_optimizer_state_at_static_addresses(na
     assert not unmarked, f"not static addresses: {unmarked}"
 
 
+@pytest.mark.slow
+def test_a_compiled_bf16_step_rounds_where_autocast_does():
+    """Inductor fuses a bf16 layer with its GELU and skips the roundings between them that
+    autocast makes eagerly, and that the rollout's step makes: the learner's log-probs would move
+    off the rollout's (the guard's gap grew 100-fold on these CPUs, docs/update.md). Compiled,
+    such a layer gives eager's result to the bit."""
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(64, 32), torch.randn(16, 64)
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = torch.nn.functional.gelu(layer(x))
+        return hidden.float().sum(dim=1)
+
+    assert torch.equal(utils.CompiledStep(step, CPU)(x), step(x))
+
+
 def test_a_failed_compile_runs_the_step_eagerly(capsys):
     """A backend that fails (as Inductor does on what it cannot compile): the step runs eagerly,
     its result the eager one's, and one line on stderr says why, once."""
