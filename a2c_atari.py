@@ -128,13 +128,21 @@ class RMSpropTF(torch.optim.Optimizer):
             for p in group["params"]:
                 self.state[p]["square_avg"] = torch.ones_like(p, memory_format=torch.preserve_format)
 
+    def _init_group(self, group, params, grads, square_avgs):
+        """Fill the lists with one group's tensors: named as torch's optimizers name it, so that
+        Dynamo runs it in Python and marks the state a static address (CUDA graphs update it in place)."""
+        for p in group["params"]:
+            if p.grad is not None:
+                params.append(p)
+                grads.append(p.grad)
+                square_avgs.append(self.state[p]["square_avg"])
+
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
             lr, alpha, eps = group["lr"], group["alpha"], group["eps"]
-            params = [p for p in group["params"] if p.grad is not None]
-            grads = [p.grad for p in params]
-            square_avgs = [self.state[p]["square_avg"] for p in params]
+            params, grads, square_avgs = [], [], []
+            self._init_group(group, params, grads, square_avgs)
             # one launch per op for all parameters (foreach), not one per parameter
             torch._foreach_mul_(square_avgs, alpha)
             torch._foreach_addcmul_(square_avgs, grads, grads, value=1 - alpha)

@@ -5,6 +5,7 @@ evaluation, profiling. The design is written in docs/rollout.md, docs/update.md 
 """
 
 import contextlib
+import copy
 import csv
 import difflib
 import math
@@ -262,11 +263,14 @@ def capture_graphs(step, num_steps, num_batches, streams):
     replay is a run); returns replay(t, b). A batch's graphs share a memory pool: they replay
     one after another on its stream. Captured after a warm_up, each batch on its own stream:
     cuBLAS keys its workspace by (handle, stream), so graphs captured on one stream would share
-    one workspace while different batches replay at once (docs/rollout.md, "CUDA graphs")."""
+    one workspace while different batches replay at once. Each batch captures with the workspaces
+    cleared, so that its own is made inside its pool, which keeps it whatever later clears them
+    (Inductor does under --compile); docs/rollout.md, "CUDA graphs"."""
     graphs = [[None] * num_batches for _ in range(num_steps)]
     torch.cuda.synchronize()
     for b in range(num_batches):
         pool = torch.cuda.graph_pool_handle()
+        torch._C._cuda_clearCublasWorkspaces()  # the next cuBLAS call, in capture, makes one in `pool`
         for t in range(num_steps):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.stream(streams[b]):  # (torch.cuda.graph() would collect garbage per graph)
@@ -834,14 +838,18 @@ class CompiledStep:
     """--compile: `step` (the update's optimizer step: loss, backward, clip, optimizer) under
     torch.compile, on CUDA replayed from CUDA graphs (mode="reduce-overhead"); docs/update.md.
     It compiles at its first call, whose time it keeps (`seconds`, for the first progress line).
-    A call that raises compiled and not eagerly (a Dynamo or Inductor error, e.g. on an edited
-    network) is run again eagerly, as is every later one: one line on stderr says why. The step
-    zeroes the gradients first, so a compiled attempt that failed half-way leaves none behind."""
+    Where that call raises compiled and not eagerly (a Dynamo or Inductor error, e.g. on an
+    edited network), the optimizers' weights and state are put back as they were before it (its
+    graphs run as they compile: the optimizer's may have stepped) and it runs again eagerly, as
+    does every later call: one line on stderr says why. A later call's error raises."""
 
     def __init__(self, step, device: torch.device, backend="inductor"):
         global all_reduce_gradients  # here, not at import: torch._dynamo takes seconds to import
         if not hasattr(all_reduce_gradients, "_torchdynamo_orig_callable"):
             all_reduce_gradients = torch.compiler.disable(all_reduce_gradients)
+        import torch._inductor.config as inductor
+
+        inductor.emulate_precision_casts = True  # bf16: round where autocast and the rollout do
         self.step, self.cuda = step, device.type == "cuda"
         mode = "reduce-overhead" if self.cuda else None
         self.compiled = torch.compile(step, backend=backend, mode=mode, dynamic=False)
@@ -850,10 +858,15 @@ class CompiledStep:
     def __call__(self, *args):
         if self.eager:
             return self.step(*args)
+        if self.cuda:  # a new step: the last one's outputs were copied out, their memory is reused
+            torch.compiler.cudagraph_mark_step_begin()
+        if self.seconds is not None:
+            return self.compiled(*args)
+        optimizers = [arg for arg in args if isinstance(arg, torch.optim.Optimizer)]
+        weights = [(p, p.detach().clone()) for o in optimizers for group in o.param_groups for p in group["params"]]
+        states = [(o, {p: copy.deepcopy(state) for p, state in o.state.items()}) for o in optimizers]
         start = time.perf_counter()
         try:
-            if self.cuda:  # a new step: the last one's outputs were copied out, their memory is reused
-                torch.compiler.cudagraph_mark_step_begin()
             out = self.compiled(*args)
         except Exception as e:
             while getattr(e, "inner_exception", None) or e.__cause__:  # the backend's own error
@@ -861,9 +874,14 @@ class CompiledStep:
             reason = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
             reason = f"{type(e).__name__}: {reason}"[:300]
         else:
-            if self.seconds is None:
-                self.seconds = time.perf_counter() - start
+            self.seconds = time.perf_counter() - start
             return out
+        with torch.no_grad():  # its graphs ran as they compiled: the optimizer's may have stepped
+            for p, saved in weights:
+                p.copy_(saved)
+        for optimizer, state in states:
+            optimizer.state.clear()
+            optimizer.state.update(state)
         out = self.step(*args)  # outside the handler: an error of the step itself raises as it does eagerly
         self.eager = True
         print(f"warning: --compile: {reason}; the update runs eagerly", file=sys.stderr, flush=True)

@@ -11,17 +11,23 @@
 # Run: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight]
 # (--preflight runs only the preflight and writes no report; bad arguments exit 2, no report.)
 #
-# Timeline on a 16-core H100, estimated from the parts' sizes (limits in brackets):
+# Timeline on a 16-core H100, estimated from the parts' sizes, test by test for the tier (limits in brackets):
 #   preflight          10-20 s, 40-60 s when it makes the venv and installs wheels
 #   Triton warm-up     20-40 s [90]: ~25 kernel specializations and their launchers, once
-#   GPU tier          120-170 s [240]: 4 pytest-xdist workers of 4 cores each; the longest
-#                      tests are the two headline runs (4 scripts each) and gpu_kernels bf16
+#   GPU tier          200-240 s [270]: about 800 s of tests on 4 pytest-xdist workers of 4 cores
+#                      each: ~500 s of script runs and kernel checks, ~300 s of four cold Inductor
+#                      compiles (60-120 s each), which are first in tests/test_gpu.py so that they
+#                      start at once and the other tests fill the workers around them (compiled in
+#                      the warm-up instead, they would run before the tier, not beside it);
+#                      serially (no xdist, under 8 cores, or a compute mode other than Default) it
+#                      is cut at its limit
 #   targets            90-120 s [150]: 8 script runs of 3 iterations
 #   kernels            20-35 s [45]
 #   sweep              40-55 s [60]: cells started within 30 s
-#   report              5 s
-# in all about 5-8 minutes (6.5 expected), so at least 2 minutes to spare; a part that would not
-# fit in what is left of the 10 minutes is shortened or reported as not run.
+#   report              5-10 s [40]
+# in all about 6.5-8.5 minutes; a part that would not fit in what is left of the 10 minutes is
+# shortened or reported as not run, and the worst case (a part cut at the end of its share, its
+# 20 s kill grace, the report's 40 s) ends at 600 - RESERVE + 60 = 585 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -31,7 +37,7 @@ preflight_only=0
 python=${PYTHON:-python3}
 venv=${GPU_CHECK_VENV:-.venv-gpu}
 export PYTHONUNBUFFERED=1
-RESERVE=60 # seconds kept back at the end: a part's 20 s kill grace, the report's 30 s (+10 s kill grace)
+RESERVE=75 # seconds kept back at the end: a part's 20 s kill grace, the report's 30 s (+10 s kill grace), 15 s spare
 
 usage() {
     echo "gpu_check: $* (usage: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight])" >&2
@@ -93,7 +99,8 @@ missing() {
 import importlib.util, re
 pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", open("requirements.txt").read(), re.M))
 modules = {"torch": "torch", "triton": "triton", "gymnasium": "gymnasium", "ale_py": "ale-py", "tyro": "tyro",
-           "tensorboard": "tensorboard", "cv2": "opencv-python-headless", "numpy": "numpy", "pytest": "pytest"}
+           "tensorboard": "tensorboard", "cv2": "opencv-python-headless", "numpy": "numpy", "pytest": "pytest",
+           "xdist": "pytest-xdist", "execnet": "execnet"}
 print(" ".join(f"{name}=={pins[name]}" for module, name in modules.items() if importlib.util.find_spec(module) is None))
 EOF
 }
@@ -148,9 +155,11 @@ if [ "$preflight_only" -eq 1 ]; then
 fi
 echo "$(($(date +%s) - start))" >"$work/preflight.seconds"
 
+running=""
 interrupted() {  # Ctrl-C or SIGTERM: the running part's process group (timeout leads its own) gets
-    # SIGINT too, and the report says the part did not finish
-    [ -s "$work/running.pid" ] && kill -INT -- "-$(<"$work/running.pid")" 2>/dev/null
+    # SIGINT too, and the report says the part did not finish. $! names the part's timeout as
+    # soon as it is forked, before a trap can run (a pid written down later may not be there yet)
+    [ -n "$running" ] && kill -INT -- "-$!" 2>/dev/null
     exit 130
 }
 trap interrupted INT TERM
@@ -175,15 +184,12 @@ section() {  # name, seconds it may take, command...: runs it within what is lef
     began=$(date +%s)
     # SIGINT, not SIGTERM, so that pytest still prints its summary; -k 20 kills what ignores it.
     # In the background and waited for, so that a Ctrl-C or SIGTERM reaches `interrupted` at once.
-    {
-        timeout -s INT -k 20 "$limit" "$@" 2>&1 &
-        echo $! >"$work/running.pid"
-        wait $!
-        echo $? >"$work/$name.code"
-    } | tee "$work/$name" &
+    running=$name
+    timeout -s INT -k 20 "$limit" "$@" > >(tee "$work/$name") 2>&1 &
     wait $!
-    rm -f "$work/running.pid"
-    code=$(<"$work/$name.code")
+    code=$?
+    running=""
+    echo "$code" >"$work/$name.code"
     echo "$(($(date +%s) - began))" >"$work/$name.seconds"
     if [ "$code" -eq 124 ] || [ "$code" -eq 137 ]; then
         echo "stopped at its ${limit}s limit" >"$work/$name.status"
@@ -194,13 +200,19 @@ section() {  # name, seconds it may take, command...: runs it within what is lef
 }
 
 # the tier on 4 pytest-xdist workers of 4 cores each (tests/test_gpu.py gives each its slice),
-# serially where xdist is missing or the machine has under 8 cores
+# serially where xdist is missing, the machine has under 8 cores, or the GPU's compute mode is
+# not Default (an exclusive mode gives one process at a time a CUDA context: the workers and the
+# scripts they start would be refused the GPU)
 workers=$("$python" -c 'import os; print(min(4, len(os.sched_getaffinity(0)) // 4))')
+mode=$(limited 20 nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -n1)
 parallel=()
-[ "$workers" -ge 2 ] && "$python" -c "import xdist" 2>/dev/null && parallel=(-n "$workers")
+[ "$workers" -ge 2 ] && [ "${mode:-Default}" = Default ] && "$python" -c "import xdist" 2>/dev/null &&
+    parallel=(-n "$workers")
+[ "${mode:-Default}" = Default ] || echo "gpu_check: compute mode $mode: the tier runs serially"
 
 section warm 90 "$python" benchmarks/triton_warm.py
-section tier 240 "$python" -m pytest -m cuda -q -rfE -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
+# -rfEP: the failures, and what passing tests print (the guard's gap under --compile)
+section tier 270 "$python" -m pytest -m cuda -q -rfEP -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
     tests/test_gpu.py -k "not gpu_sweep"
 section targets 150 "$python" benchmarks/gpu_targets.py --iterations 3
 section kernels 45 "$python" benchmarks/kernels.py --no-aot

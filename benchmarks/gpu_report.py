@@ -26,7 +26,7 @@ MARKDOWN = {"targets", "sweep"}
 # the distributions the project uses (requirements.txt, and what the GPU tier can use)
 PACKAGES = [
     "torch", "triton", "numpy", "gymnasium", "ale-py", "tyro", "tensorboard", "opencv-python-headless",
-    "pytest", "pytest-xdist", "pytest-timeout", "pip",
+    "pytest", "pytest-xdist", "execnet", "pytest-timeout", "pip",
 ]  # fmt: skip
 
 
@@ -35,16 +35,24 @@ def read(work, name, default=""):
     return path.read_text(errors="replace").rstrip() if path.exists() else default
 
 
-def driver_version():
-    """The NVIDIA driver's version: nvidia-smi where there is one, else the kernel module's."""
+def gpu_query(field):
+    """One --query-gpu field of nvidia-smi for the first GPU, or None (no nvidia-smi, or it failed)."""
     if shutil.which("nvidia-smi"):
         try:
-            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            query = ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"]
             out = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.strip()
             if out:
                 return out.splitlines()[0]
         except (OSError, subprocess.SubprocessError):
             pass
+    return None
+
+
+def driver_version():
+    """The NVIDIA driver's version: nvidia-smi where there is one, else the kernel module's."""
+    version = gpu_query("driver_version")
+    if version:
+        return version
     try:
         return Path("/proc/driver/nvidia/version").read_text().splitlines()[0].strip()
     except (OSError, IndexError):
@@ -74,6 +82,9 @@ def versions():
     except Exception as e:
         lines.append(f"- triton: cannot be imported ({type(e).__name__}: {e})")
     lines.append(f"- NVIDIA driver: {driver_version()}")
+    mode = gpu_query("compute_mode")  # gpu_check.sh runs the tier serially unless it is Default
+    serially = "" if mode in (None, "Default") else " (one process at a time on the GPU: the tier ran serially)"
+    lines.append(f"- GPU compute mode: {mode or 'unknown (no nvidia-smi)'}{serially}")
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         import utils

@@ -13,6 +13,7 @@ torchrun with two gloo ranks compiled against eagerly.
 """
 
 import functools
+import re
 import shutil
 import signal
 import subprocess
@@ -113,17 +114,32 @@ def test_compiled_ppo_update_flags_a_non_finite_loss():
     assert nonfinite and stats[6] == 6
 
 
-def a2c_updates(compile, changes, updates=3):
-    """`updates` A2C updates from the test's fixed weights and batch, the rate annealed between
-    them: each one's losses, the weights after, the graphs compiled after each."""
-    args = SimpleNamespace(**{**A2C_ARGS, **changes})
+def a2c_batch(args):
+    """The test's fixed A2C weights and batch: (agent, batch)."""
     agent = make_agent(a2c)
     data = fixed_batch(agent, perturb=True)
     advantages, returns = script_advantages("a2c", data.rewards, data.values, TERMINAL, BEFORE, args.gamma, 1.0)
     batch = (data.obs.flatten(0, 1), data.actions.flatten(), data.logprobs.flatten())
-    batch += (advantages.flatten(), returns.flatten())
-    lr = torch.tensor(args.learning_rate) if compile else args.learning_rate
-    optimizer = a2c.RMSpropTF(agent.parameters(), lr=lr, alpha=args.rms_alpha, eps=args.rms_eps)
+    return agent, batch + (advantages.flatten(), returns.flatten())
+
+
+def a2c_optimizer(name, agent, args, compile):
+    """The optimizer --optimizer `name` makes, as a2c_atari.py's main block makes it."""
+    hyper = dict(lr=torch.tensor(args.learning_rate) if compile else args.learning_rate)
+    hyper |= dict(alpha=args.rms_alpha, eps=args.rms_eps)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(
+            agent.parameters(), **hyper, **utils.optimizer_options(CPU, compile, has_fused=False)
+        )
+    return a2c.RMSpropTF(agent.parameters(), **hyper)
+
+
+def a2c_updates(compile, changes, updates=3):
+    """`updates` A2C updates from the test's fixed weights and batch, the rate annealed between
+    them: each one's losses, the weights after, the graphs compiled after each."""
+    args = SimpleNamespace(**{**A2C_ARGS, **changes})
+    agent, batch = a2c_batch(args)
+    optimizer = a2c_optimizer("rmsprop-tf", agent, args, compile)
     step = compiled("a2c") if compile else a2c.update
     losses, graphs_after = [], []
     for i in range(updates):
@@ -148,6 +164,41 @@ def test_compiled_a2c_update_equals_eager():
     assert compiled_[2][0] == compiled_[2][-1], f"compiled again: graphs after each update {compiled_[2]}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["rmsprop", "rmsprop-tf"])
+def test_the_compiled_a2c_update_sees_its_optimizer_state_at_static_addresses(name):
+    """CUDA graph trees replay a graph that updates an input in place only where Dynamo marked
+    that input a static address; else they skip the graph and launch its kernels one by one
+    every time. Dynamo marks an optimizer's state when the step fills its tensor lists through
+    `_init_group` (torch's optimizers do): so for both A2C optimizers, after a compiled update
+    (traced by Dynamo, no backend compile), every state tensor is marked."""
+    args = SimpleNamespace(**A2C_ARGS)
+    agent, batch = a2c_batch(args)
+    optimizer = a2c_optimizer(name, agent, args, compile=True)
+    utils.CompiledStep(a2c.update, CPU, backend="eager")(agent, optimizer, *batch, args, torch.float32)
+    state = [(key, t) for tensors in optimizer.state.values() for key, t in tensors.items()]
+    assert {key for key, _ in state} >= {"square_avg"} and len(state) >= len(list(agent.parameters()))
+    unmarked = {key for key, t in state if getattr(t, "_dynamo_static_input_type", None) is None}
+    assert not unmarked, f"not static addresses: {unmarked}"
+
+
+@pytest.mark.slow
+def test_a_compiled_bf16_step_rounds_where_autocast_does():
+    """Inductor fuses a bf16 layer with its GELU and skips the roundings between them that
+    autocast makes eagerly, and that the rollout's step makes: the learner's log-probs would move
+    off the rollout's (the guard's gap grew 100-fold on these CPUs, docs/update.md). Compiled,
+    such a layer gives eager's result to the bit."""
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(64, 32), torch.randn(16, 64)
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = torch.nn.functional.gelu(layer(x))
+        return hidden.float().sum(dim=1)
+
+    assert torch.equal(utils.CompiledStep(step, CPU)(x), step(x))
+
+
 def test_a_failed_compile_runs_the_step_eagerly(capsys):
     """A backend that fails (as Inductor does on what it cannot compile): the step runs eagerly,
     its result the eager one's, and one line on stderr says why, once."""
@@ -167,12 +218,80 @@ def test_a_failed_compile_runs_the_step_eagerly(capsys):
     assert wrapped.eager and wrapped.text() == ", compile failed: eager"
 
 
+def test_a_compile_failing_after_the_optimizer_stepped_still_steps_once(capsys):
+    """The first call's graphs run as they compile: where the last one fails to compile, after the
+    optimizer's graph ran, the eager run that follows starts from the weights and optimizer state
+    before the call, so the minibatch's update is applied once, not twice."""
+
+    def backend(graph, example_inputs):
+        if any(node.target is torch.sin for node in graph.graph.nodes):
+            raise RuntimeError("cannot lower the last graph")
+        return graph.forward
+
+    def step(w, optimizer):
+        optimizer.zero_grad()
+        (w * w).sum().backward()
+        optimizer.step()
+        return torch.sin(w).sum()
+
+    runs = []
+    for wrapped in (step, utils.CompiledStep(step, CPU, backend=backend)):
+        w = torch.nn.Parameter(torch.arange(4.0))
+        optimizer = torch.optim.Adam([w], lr=0.1)
+        wrapped(w, optimizer)
+        runs.append((w.detach(), optimizer.state[w]["step"], optimizer.state[w]["exp_avg_sq"]))
+    assert "cannot lower the last graph" in capsys.readouterr().err
+    for got, want in zip(runs[1], runs[0]):
+        torch.testing.assert_close(got, want)
+
+
+def test_after_its_first_call_a_compiled_step_raises_what_fails():
+    """Only the first call compiles the update's graphs (tests above count them): an error after
+    it, compiling or not, raises instead of switching to eager half-way through a run."""
+
+    def backend(graph, example_inputs):
+        if example_inputs[0].shape[0] == 5:
+            raise RuntimeError("a recompile failed")
+        return graph.forward
+
+    wrapped = utils.CompiledStep(lambda x: (x * 2).sum(), CPU, backend=backend)
+    assert wrapped(torch.ones(4)).item() == 8
+    with pytest.raises(Exception, match="a recompile failed"):
+        wrapped(torch.ones(5))
+    assert not wrapped.eager
+
+
 def test_an_error_of_the_step_itself_raises_as_it_does_eagerly():
     def step(x):
         raise ValueError("a bug in the step")
 
     with pytest.raises(ValueError, match="a bug in the step"):
         utils.CompiledStep(step, CPU)(torch.ones(1))
+
+
+@pytest.mark.parametrize("name", ["adam", "rmsprop"])
+@pytest.mark.parametrize("written_by, resumed_by", [("eager", "--compile"), ("--compile", "eager")])
+def test_a_resume_runs_this_runs_optimizer_implementation(name, written_by, resumed_by):
+    """A checkpoint's param_groups keep the writer's implementation flags (fused, foreach,
+    capturable), which load_state_dict would restore. Written on CUDA eagerly (Adam fused) or with
+    --compile (capturable foreach), then resumed the other way on the CPU: the loaded optimizer
+    has this run's flags and rate tensor, and steps."""
+    optimizer_class, has_fused = {"adam": (torch.optim.Adam, True), "rmsprop": (torch.optim.RMSprop, False)}[name]
+    layer = torch.nn.Linear(3, 2)
+    writer = optimizer_class(layer.parameters(), lr=1e-3, **utils.optimizer_options(CPU, False, has_fused))
+    layer(torch.ones(1, 3)).sum().backward()
+    writer.step()
+    saved = writer.state_dict()
+    written = utils.optimizer_options(torch.device("cuda", 0), written_by == "--compile", has_fused)
+    saved["param_groups"] = [group | written for group in saved["param_groups"]]
+    compile = resumed_by == "--compile"
+    hyper = dict(lr=torch.tensor(1e-3) if compile else 1e-3) | utils.optimizer_options(CPU, compile, has_fused)
+    optimizer = optimizer_class(layer.parameters(), **hyper)
+    utils.load_optimizer(optimizer, saved, hyper)
+    group = optimizer.param_groups[0]
+    assert {key: group[key] for key in hyper if key != "lr"} == {key: hyper[key] for key in hyper if key != "lr"}
+    assert group["lr"] is hyper["lr"]
+    optimizer.step()
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -214,7 +333,9 @@ def first_progress_line(stdout):
 @pytest.mark.slow
 def test_a_run_resumed_with_compile_equals_the_eager_resume(runs_dir, tmp_path):
     """Stopped after its first of 3 iterations, a PPO run (the fused policy step) resumed with
-    --compile and eagerly: the same losses and weights; the compile's time on the first line."""
+    --compile and eagerly: the same losses and weights; the compile's time on the first line. The
+    frames' storage is a static input of the compiled graphs (under CUDA graphs read in place, not
+    copied at every replay), as AOTAutograd logs it."""
     args = [*TINY, "--total-timesteps", 3 * 256, "--runs-dir", runs_dir]
     stopped = stop_after_first_progress("ppo_atari_native.py", args, signal.SIGINT)
     assert stopped.returncode == 0, stopped.stderr[-2000:]
@@ -222,8 +343,11 @@ def test_a_run_resumed_with_compile_equals_the_eager_resume(runs_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
     run_script("ppo_atari_native.py", *args, "--resume", run_dir)  # eagerly
-    resumed = run_script("ppo_atari_native.py", *args, "--resume", copy, "--compile")
+    resumed = run_script(
+        "ppo_atari_native.py", *args, "--resume", copy, "--compile", env={"TORCH_LOGS": "cudagraph_static_inputs"}
+    )
     assert "warning" not in resumed.stderr, resumed.stderr[-2000:]
+    assert re.search(r"Adding static input pos \d+ for source L\['b_obs'\]", resumed.stderr), resumed.stderr[-2000:]
     assert ", compile " in first_progress_line(resumed.stdout) and "policy fused" in resumed.stdout.splitlines()[0]
     assert_models_close(model_of(copy), model_of(run_dir), "resumed with --compile")
     assert_losses_close(copy, run_dir)
@@ -234,8 +358,8 @@ def test_a2c_compiled_on_the_general_policy_step_equals_eager(runs_dir, tmp_path
     """A2C on the general policy step (--policy module) for 3 iterations with the rate annealed:
     compiled, eagerly, and with its compile failing (no C++ compiler for Inductor, an empty cache):
     the same losses and weights; the failed one says so in one line and runs to the end."""
-    args = ["--num-envs", "8", "--log-interval", "1", "--total-timesteps", 3 * 40, "--policy", "module"]
-    args += ["--anneal-lr", "--precision", "fp32", "--runs-dir", runs_dir]
+    args = ["--num-envs", "8", "--num-steps", "5", "--log-interval", "1", "--total-timesteps", 3 * 40]
+    args += ["--policy", "module", "--anneal-lr", "--precision", "fp32", "--runs-dir", runs_dir]
     eager = run_script("a2c_atari.py", *args)
     compiled_run = run_script("a2c_atari.py", *args, "--compile")
     assert "warning" not in compiled_run.stderr, compiled_run.stderr[-2000:]

@@ -158,11 +158,12 @@ def test_warm_up_orders_every_batch_stream_after_the_default_stream(monkeypatch)
         assert ("wait", b, "default") in log[:first_step], log
 
 
-def test_each_batch_captures_its_graphs_on_its_own_stream(monkeypatch):
-    """cuBLAS keys its workspace by (handle, stream) and a graph bakes in its capture stream's
-    workspace: batches replay concurrently, so no two batches may capture on the same stream
-    (CUDA simulated: streams and graphs that log where each capture ran)."""
-    current, captured = [None], {}
+@pytest.fixture
+def captured(monkeypatch):
+    """utils.capture_graphs for 2 steps of 3 batches, CUDA simulated: streams, pools and graphs
+    that log, in order, each clear of cuBLAS's workspaces and each capture's stream, pool and
+    step, pools numbered as they come; returns (the log, the batches' streams)."""
+    log, current, pools = [], [None], []
 
     class FakeStream:
         def __init__(self, device=None):
@@ -170,13 +171,11 @@ def test_each_batch_captures_its_graphs_on_its_own_stream(monkeypatch):
 
     class FakeGraph:
         def capture_begin(self, pool=None):
-            self.stream, self.pool = current[0], pool
+            pools.extend([pool] if pool not in pools else [])
+            log.append(("begin", current[0], pools.index(pool)))
 
         def capture_end(self):
-            pass
-
-        def replay(self):
-            pass
+            log.append(("end", current[0]))
 
     @contextlib.contextmanager
     def on(stream):
@@ -184,20 +183,36 @@ def test_each_batch_captures_its_graphs_on_its_own_stream(monkeypatch):
         yield
         current[0] = before
 
-    def step(t, b):
-        captured[t, b] = current[0]
-
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: log.append(("clear",)), raising=False)
     streams = [FakeStream() for _ in range(3)]
-    utils.capture_graphs(step, 2, 3, streams)
-    assert len(captured) == 6 and None not in captured.values()
+    utils.capture_graphs(lambda t, b: log.append(("step", t, b, current[0])), 2, 3, streams)
+    return log, streams
+
+
+def test_each_batch_captures_its_graphs_on_its_own_stream(captured):
+    """cuBLAS keys its workspace by (handle, stream) and a graph bakes in its capture stream's
+    workspace: batches replay concurrently, so no two batches may capture on the same stream."""
+    log, streams = captured
+    steps = {(t, b): stream for _, t, b, stream in (entry for entry in log if entry[0] == "step")}
+    assert steps == {(t, b): streams[b] for t in range(2) for b in range(3)}
+
+
+def test_each_batch_makes_its_cublas_workspace_inside_its_own_pool(captured):
+    """Inductor's CUDA graph trees (--compile) clear cuBLAS's workspaces and empty the cache: one
+    made outside the rollout's graph pools would be freed under the graphs that write to it. So
+    the workspaces are cleared right before each batch's first capture, after the last batch's."""
+    log, streams = captured
+    expected = []
     for b in range(3):
-        assert captured[0, b] is captured[1, b], "a batch's graphs replay on one stream"
-    assert len({id(captured[0, b]) for b in range(3)}) == 3, "two batches captured on the same stream"
+        expected.append(("clear",))
+        for t in range(2):
+            expected += [("begin", streams[b], b), ("step", t, b, streams[b]), ("end", streams[b])]
+    assert log == expected
 
 
 @pytest.mark.parametrize(

@@ -2,12 +2,15 @@
 preflight stops with one line naming what is missing (a requirement, a wheel, a C compiler, a
 GPU) before any tier runs, and a benchmark never blocks on its child's output."""
 
+import ast
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import venv
 from pathlib import Path
 
@@ -115,10 +118,14 @@ def write_parts(work, parts):
             (work / f"{name}{suffix}").write_text(text)
 
 
-@pytest.mark.parametrize("smi", [None, "exit 1", "echo 580.65.06"])
+NVIDIA_SMI = 'case "$*" in *compute_mode*) echo Exclusive_Process ;; *) echo 580.65.06 ;; esac'
+
+
+@pytest.mark.parametrize("smi", [None, "exit 1", NVIDIA_SMI])
 def test_the_report_needs_no_nvidia_smi_and_says_what_each_part_did(tmp_path, smi):
-    """No nvidia-smi on PATH (or a failing one) costs only the driver's version; every part
-    gets its line: ran, stopped at its limit, interrupted, or not run and why."""
+    """No nvidia-smi on PATH (or a failing one) costs only the driver's version and the GPU's
+    compute mode; every part gets its line: ran, stopped at its limit, interrupted, or not run
+    and why."""
     work, bin_dir = tmp_path / "work", tmp_path / "bin"
     work.mkdir()
     bin_dir.mkdir()
@@ -139,7 +146,11 @@ def test_the_report_needs_no_nvidia_smi_and_says_what_each_part_did(tmp_path, sm
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     text = report.read_text()
-    assert ("- NVIDIA driver: 580.65.06" in text) == (smi == "echo 580.65.06"), text
+    assert ("- NVIDIA driver: 580.65.06" in text) == (smi == NVIDIA_SMI), text
+    if smi == NVIDIA_SMI:
+        assert "- GPU compute mode: Exclusive_Process (one process at a time on the GPU: the tier ran serially)" in text
+    else:
+        assert "- GPU compute mode: unknown (no nvidia-smi)" in text, text
     assert "| preflight | - | passed (12 s) |" in text
     assert "| Triton warm-up | 90 s | ran, 31 s, exit code 0 |" in text
     assert (
@@ -150,6 +161,87 @@ def test_the_report_needs_no_nvidia_smi_and_says_what_each_part_did(tmp_path, sm
     assert "| Speed targets | 150 s | started, did not finish: the script was interrupted |" in text
     assert "| Kernels | - | not run: the 10-minute budget was spent |" in text
     assert "| Sweep, quick grid | - | not run: the script ended before it |" in text
+
+
+def simulated_gpu_machine(tmp_path, mode=None, warm_up=""):
+    """A PATH on which gpu_check.sh's preflight passes as on a GPU machine with 16 cores: a
+    stand-in Python that logs each part's arguments to parts.log and runs the report with this
+    Python (`warm_up`: what the Triton warm-up part runs instead); nvidia-smi saying the GPU's
+    compute mode `mode` (None: no nvidia-smi); a C compiler that is never run."""
+    path = bin_with(tmp_path, "timeout", "tee", "head", "mkdir", "sleep")
+    bin_dir, log = Path(path), tmp_path / "parts.log"
+    tools = {
+        "python": f"""#!/usr/bin/env bash
+case "$*" in
+    -) cat >/dev/null ;;  # the preflight's list of missing requirements: none
+    *sched_getaffinity*) echo 4 ;;  # 4 workers of 4 cores
+    *gpu_report.py*) exec {sys.executable} "$@" ;;
+    *triton_warm.py*) echo "$*" >>{log}; {warm_up} ;;
+    *benchmarks/*|*"-m pytest"*) echo "$*" >>{log} ;;
+esac  # every other check of the preflight passes
+""",
+        "gcc": "#!/bin/sh\nexit 1\n",
+    }
+    if mode is not None:
+        tools["nvidia-smi"] = f'#!/bin/sh\ncase "$*" in *compute_mode*) echo {mode} ;; *) echo 580.65.06 ;; esac\n'
+    for name, text in tools.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir / "python", path, log
+
+
+@pytest.mark.parametrize("mode", ["Default", "Exclusive_Process"])
+def test_the_tier_runs_on_xdist_workers_unless_the_compute_mode_is_exclusive(tmp_path, mode):
+    """Every part runs, in order, the tier on 4 workers; under an exclusive compute mode, which
+    gives one process at a time the GPU, serially, and the report says why."""
+    python, path, log = simulated_gpu_machine(tmp_path, mode)
+    result, lines = gpu_check(python=python, path=path)
+    assert result.returncode == 0, lines
+    parts = log.read_text().splitlines()
+    assert [part.split()[0] for part in parts] == [
+        "benchmarks/triton_warm.py", "-m", "benchmarks/gpu_targets.py", "benchmarks/kernels.py",
+        "benchmarks/gpu_sweep.py",
+    ], parts  # fmt: skip
+    tier = parts[1].split()
+    serial = mode == "Exclusive_Process"
+    assert (tier[tier.index("-n") + 1] if "-n" in tier else "serially") == ("serially" if serial else "4"), tier
+    assert ("compute mode Exclusive_Process: the tier runs serially" in result.stdout) == serial
+    report = result.report.read_text()
+    assert "| GPU test tier | 270 s | ran, " in report, report
+    assert ("the tier ran serially" in report) == serial, report
+
+
+def test_an_interrupt_stops_the_running_part_with_its_process_group(tmp_path):
+    """SIGTERM to gpu_check.sh while a part runs: the part's whole process group gets SIGINT, so
+    nothing is left running, and the report says the part was interrupted."""
+    part_pid = tmp_path / "part.pid"
+    python, path, _ = simulated_gpu_machine(tmp_path, warm_up=f"echo $$ >{part_pid}; exec sleep 60")
+    env = {name: value for name, value in os.environ.items() if name != "CC"}
+    report = tmp_path / "report.md"
+    proc = subprocess.Popen(
+        ["bash", str(CHECK), "--report", str(report)], env=dict(env, PYTHON=str(python), PATH=path),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for _ in range(600):
+            if part_pid.exists() and part_pid.read_text().strip():
+                break
+            time.sleep(0.05)
+        assert part_pid.exists(), "the part never started"
+        sleeper = int(part_pid.read_text())
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    for _ in range(100):
+        if not Path(f"/proc/{sleeper}").exists() or "Z" in Path(f"/proc/{sleeper}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(sleeper, signal.SIGKILL)
+        raise AssertionError("the interrupted part's process is still running")
+    assert "| Triton warm-up | 90 s | started, did not finish: the script was interrupted |" in report.read_text()
 
 
 def test_a_python_without_ensurepip_gets_a_venv_that_runs_the_images_pip(tmp_path):
@@ -214,9 +306,11 @@ def test_each_xdist_worker_of_the_gpu_tier_gets_its_own_cores():
 
 def test_the_readme_downloads_every_wheel_the_preflight_may_ask_for():
     """The preflight installs what is missing from --wheels DIR with --no-index: a package that
-    the README's download command leaves out stops it (opencv-python-headless did)."""
+    the README's download command leaves out stops it (opencv-python-headless did). pytest-xdist
+    and execnet among them: without them the tier runs serially and cannot fit its limit."""
     script, readme = CHECK.read_text(), (ROOT / "README.md").read_text()
     modules = re.search(r"modules = (\{.*?\})", script, re.S)[1]
+    assert '"xdist": "pytest-xdist"' in modules and '"execnet": "execnet"' in modules, modules
     pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M))
     command = readme[readme.index("pip download") : readme.index("```", readme.index("pip download"))]
     for name in re.findall(r'"[a-z_0-9]+": "([a-z0-9-]+)"', modules):
@@ -224,6 +318,16 @@ def test_the_readme_downloads_every_wheel_the_preflight_may_ask_for():
             assert f"`torch=={pins['torch']} triton=={pins['triton']}`" in readme
         else:
             assert f"{name}=={pins[name]}" in command, name
+
+
+def test_the_gpu_tiers_compile_tests_start_first():
+    """xdist hands out tests in file order: the tier's cold Inductor compiles (a minute or two
+    each) come first in tests/test_gpu.py, so that they start at once and not last."""
+    text = (ROOT / "tests" / "test_gpu.py").read_text()
+    tests = [node for node in ast.parse(text).body if getattr(node, "name", "").startswith("test_")]
+    sources = [ast.get_source_segment(text, node) for node in tests]
+    compiling = [i for i, source in enumerate(sources) if '"--compile"' in source or "compile=True" in source]
+    assert len(compiling) >= 2 and compiling == list(range(len(compiling))), [node.name for node in tests]
 
 
 def test_the_triton_warm_up_runs_both_policy_steps_for_every_batch():
