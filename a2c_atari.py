@@ -394,6 +394,8 @@ if __name__ == "__main__":
 
             # flatten the batch
             b_obs = obs[:T].reshape((-1, 4, 84, 84))
+            if args.compile:  # fixed storage: CUDA graphs read it in place, not copied at every replay
+                torch._dynamo.mark_static_address(b_obs)
             b_actions = actions[:T].reshape(-1)
             b_logprobs = logprobs[:T].reshape(-1)
             b_advantages = advantages.reshape(-1)

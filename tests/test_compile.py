@@ -357,11 +357,13 @@ def test_a_run_resumed_with_compile_equals_the_eager_resume(runs_dir, tmp_path):
 def test_a2c_compiled_on_the_general_policy_step_equals_eager(runs_dir, tmp_path):
     """A2C on the general policy step (--policy module) for 3 iterations with the rate annealed:
     compiled, eagerly, and with its compile failing (no C++ compiler for Inductor, an empty cache):
-    the same losses and weights; the failed one says so in one line and runs to the end."""
+    the same losses and weights; the failed one says so in one line and runs to the end. The
+    frames' storage is a static input of the compiled graph, as AOTAutograd logs it."""
     args = ["--num-envs", "8", "--num-steps", "5", "--log-interval", "1", "--total-timesteps", 3 * 40]
     args += ["--policy", "module", "--anneal-lr", "--precision", "fp32", "--runs-dir", runs_dir]
     eager = run_script("a2c_atari.py", *args)
-    compiled_run = run_script("a2c_atari.py", *args, "--compile")
+    compiled_run = run_script("a2c_atari.py", *args, "--compile", env={"TORCH_LOGS": "cudagraph_static_inputs"})
+    assert re.search(r"Adding static input pos \d+ for source L\['b_obs'\]", compiled_run.stderr)
     assert "warning" not in compiled_run.stderr, compiled_run.stderr[-2000:]
     assert ", compile " in first_progress_line(compiled_run.stdout)
     no_compiler = {"CXX": "/bin/false", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
