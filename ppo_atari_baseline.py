@@ -387,8 +387,6 @@ if __name__ == "__main__":
         print(progress.line(iteration, args.num_iterations, global_step), flush=True)
 
         if iteration % args.save_interval == 0 or iteration == args.num_iterations:
-            if not utils.all_finite(agent):
-                utils.fail_diverged("non-finite weights", iteration, run_dir / "checkpoint.pt", writer, envs)
             save(iteration, global_step)
         if stop:
             break

@@ -285,7 +285,8 @@ if __name__ == "__main__":
         args = parse_args()
         device = utils.resolve_device(args.device)
         # any torchrun process joins a process group, even a lone one
-        distributed = utils.under_torchrun() and args.eval_checkpoint is None
+        torchrun = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+        distributed = torchrun and args.eval_checkpoint is None
         if distributed:
             device = utils.torchrun_device(device)  # rank r on cuda:LOCAL_RANK
         precision = utils.resolve_precision(args.precision, device)
@@ -469,8 +470,6 @@ if __name__ == "__main__":
         profiler.step(last=iteration == args.num_iterations)
 
         if iteration % args.save_interval == 0 or iteration == args.num_iterations:
-            if not utils.all_finite(agent):
-                utils.fail_diverged("non-finite weights", iteration, run_dir / "checkpoint.pt", writer, envs)
             save(iteration, global_step)
         if stop:
             break

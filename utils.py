@@ -1,12 +1,13 @@
 """What the Atari scripts share. First the native rollout: threaded env stepping and CUDA stream
 batching. Then the conventions every script follows: flags, torchrun, run directories and logs,
-the compiled update (--compile), checkpoints and stops, the ALE v5 protocol in gymnasium,
-evaluation, profiling. The design is written in docs/rollout.md, docs/update.md and docs/protocol.md.
+the compiled update (--compile), checkpoints and stops, the game in gymnasium, evaluation,
+profiling. The design: docs/rollout.md, docs/update.md, docs/protocol.md.
 """
 
 import contextlib
 import csv
 import difflib
+import functools
 import math
 import os
 import pickle
@@ -20,6 +21,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import gymnasium as gym
 import numpy as np
@@ -203,13 +205,9 @@ def env_threads(requested, device, num_batches, batch_size, local_rank=0, local_
 
 # ----------------------------------------------------------------------------- GPU batching
 # Each env batch has its own stream, pinned host buffers and events, used by the rules in
-# docs/rollout.md ("Streams and events"). On CPU the stream and event helpers are no-ops.
+# docs/rollout.md ("Streams and events"). On CPU streams and events are None: no-ops.
 def new_stream(device: torch.device):
     return torch.cuda.Stream(device) if device.type == "cuda" else None
-
-
-def on_stream(stream):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def fork_streams(streams):
@@ -251,18 +249,15 @@ def warm_up(step, num_steps, num_batches, streams):
     or capture: Triton compiles at a first launch (not thread-safe), cuDNN picks algorithms."""
     fork_streams(streams)  # the buffers, storage and weights were made on the default stream
     for b, stream in enumerate(streams):
-        with on_stream(stream):
+        with torch.cuda.stream(stream):
             for t in range(num_steps):
                 step(t, b)
     torch.cuda.synchronize()
 
 
 def capture_graphs(step, num_steps, num_batches, streams):
-    """A CUDA graph of step(t, b) for every step and batch (step touches fixed addresses, so a
-    replay is a run); returns replay(t, b). A batch's graphs share a memory pool: they replay
-    one after another on its stream. Captured after a warm_up, each batch on its own stream:
-    cuBLAS keys its workspace by (handle, stream), so graphs captured on one stream would share
-    one workspace while different batches replay at once (docs/rollout.md, "CUDA graphs")."""
+    """A CUDA graph of step(t, b) for every step and batch, each batch's captured on its own stream
+    and sharing one memory pool, after a warm_up; returns replay(t, b) (docs/rollout.md, "CUDA graphs")."""
     graphs = [[None] * num_batches for _ in range(num_steps)]
     torch.cuda.synchronize()
     for b in range(num_batches):
@@ -362,7 +357,7 @@ class BatchedRollout:
         rollout moves to step 0."""
         kernels = self.kernels
         for b, frames in enumerate(np.split(self.envs.reset(), len(self.slices))):
-            with on_stream(self.streams[b]):
+            with torch.cuda.stream(self.streams[b]):
                 kernels.stage_frames(self.staging_np[b], frames, ended=slice(None))
                 self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
                 prev, out = self.obs[self.T - 1, self.slices[b]], self.obs[self.T, self.slices[b]]
@@ -396,7 +391,7 @@ class BatchedRollout:
     def launch(self, t, b, frames=None, ended=()):
         """Queue batch b's step t on its stream: new frames in, the policy, actions out, the event."""
         kernels = self.kernels
-        with on_stream(self.streams[b]), self.profiler("launch"):
+        with torch.cuda.stream(self.streams[b]), self.profiler("launch"):
             if frames is not None:
                 kernels.stage_frames(self.staging_np[b], frames, ended)
                 self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
@@ -435,8 +430,6 @@ class BatchedRollout:
 
 def resolve_driver(driver: str, device: torch.device, num_batches: int) -> str:
     """auto: one driver thread on CUDA, a worker thread per batch elsewhere; one batch: sequential."""
-    if driver not in ("auto", "single", "threads", "sequential"):
-        raise UsageError(f"--driver {driver!r}: expected auto, single, threads or sequential")
     if num_batches == 1:
         return "sequential"
     if driver == "auto":
@@ -446,8 +439,6 @@ def resolve_driver(driver: str, device: torch.device, num_batches: int) -> str:
 
 def resolve_precision(precision: str, device: torch.device) -> str:
     """auto: bf16 where the hardware has it (CUDA sm_80+, CPUs with AVX-512 BF16 or AMX), else fp32."""
-    if precision not in ("auto", "fp32", "bf16"):
-        raise UsageError(f"--precision {precision!r}: expected auto, fp32 or bf16")
     if device.type == "cuda":
         has_bf16 = torch.cuda.get_device_capability(device) >= (8, 0)
         if precision == "bf16" and not has_bf16:
@@ -487,22 +478,19 @@ def fail(message: str, code: int = 2):
     sys.exit(code)
 
 
-_GAMES = None
 DEFAULT_ENV_ID = "Breakout-v5"
 
 
+@functools.cache
 def atari_games() -> dict:
     """ale-py's v5 games: 'mspacman' -> ('MsPacman', ROM id 'ms_pacman')."""
-    global _GAMES
-    if _GAMES is None:
-        import ale_py
-        from ale_py import roms
+    import ale_py
+    from ale_py import roms
 
-        gym.register_envs(ale_py)
-        names = [key[4:-3] for key in gym.envs.registry if key.startswith("ALE/") and key.endswith("-v5")]
-        rom_ids = {rom.replace("_", ""): rom for rom in roms.get_all_rom_ids()}
-        _GAMES = {name.lower(): (name, rom_ids[name.lower()]) for name in names if name.lower() in rom_ids}
-    return _GAMES
+    gym.register_envs(ale_py)
+    names = [key[4:-3] for key in gym.envs.registry if key.startswith("ALE/") and key.endswith("-v5")]
+    rom_ids = {rom.replace("_", ""): rom for rom in roms.get_all_rom_ids()}
+    return {name.lower(): (name, rom_ids[name.lower()]) for name in names if name.lower() in rom_ids}
 
 
 def canonical_env_id(env_id: str) -> str:
@@ -625,36 +613,20 @@ def check_args(args):
         args.env_id = canonical_env_id(args.env_id)
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*", args.exp_name) or ".." in args.exp_name:
         raise UsageError(f"--exp-name {args.exp_name!r}: a name (letters, digits, _ . + = -), not a path")
-    check_runs_dir(args.runs_dir)
-    check_capture_video(args.capture_video, args.eval_checkpoint)
-
-
-def check_runs_dir(runs_dir):
-    """--runs-dir is a directory, or its nearest existing ancestor is a writable one."""
-    path = Path(runs_dir).absolute()
+    path = Path(args.runs_dir).absolute()
     existing = next(p for p in [path, *path.parents] if p.exists())
-    if not existing.is_dir():
-        raise UsageError(f"--runs-dir {str(runs_dir)!r}: {str(existing)!r} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--runs-dir {str(runs_dir)!r}: {str(existing)!r} is not writable")
-
-
-def check_capture_video(capture_video: bool, eval_checkpoint):
-    if not capture_video:
-        return
-    if eval_checkpoint is None:
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is not a directory" if not existing.is_dir() else "is not writable"
+        raise UsageError(f"--runs-dir {str(args.runs_dir)!r}: {str(existing)!r} {why}")
+    if args.capture_video and args.eval_checkpoint is None:
         raise UsageError("--capture-video records evaluation games: use it with --eval-checkpoint")
     import importlib.util
 
-    if importlib.util.find_spec("moviepy") is None:
+    if args.capture_video and importlib.util.find_spec("moviepy") is None:
         raise UsageError("--capture-video needs moviepy: pip install moviepy")
 
 
 # ----------------------------------------------------------------------------- torchrun
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def torchrun_device(device: torch.device) -> torch.device:
     """Under torchrun on CUDA, cuda:LOCAL_RANK (one GPU per process); else the CPU."""
     if device.type != "cuda":
@@ -695,9 +667,8 @@ def all_reduce_gradients(parameters, world_size):
 
 
 def agree(stop, nonfinite, logprob_gap):
-    """Under torchrun, every rank stops, diverges or fails the guard when any rank does: sets `stop`
-    where another rank was signalled; returns whether any rank's `nonfinite` was set, and the
-    largest `logprob_gap` (device tensors)."""
+    """Under torchrun every rank stops, diverges or fails the guard when any rank does: sets `stop` where
+    another rank was signalled; returns whether any rank's `nonfinite` was set and the largest `logprob_gap`."""
     import torch.distributed as dist
 
     device = logprob_gap.device
@@ -722,19 +693,9 @@ def finish_distributed(agent, rank: int, world_size: int):
 
 
 # ----------------------------------------------------------------------------- runs and logs
-class NoWriter:
-    """What ranks other than 0 log to: nothing."""
-
-    def add_scalar(self, *args, **kwargs):
-        pass
-
-    add_text = close = add_scalar
-
-
 def start_run(args, checkpoint, rank=0, distributed=False):
-    """Log setup: (run directory, TensorBoard writer, stop signal, start iteration, global step).
-    A resumed run continues in its own directory; a new one gets a directory no other run
-    writes to. Under torchrun only rank 0 logs, and every rank names rank 0's directory."""
+    """Log setup: (run directory, TensorBoard writer, stop signal, start iteration, global step). A resumed
+    run continues in its directory, a new one gets its own; under torchrun only rank 0 logs, to rank 0's."""
     from torch.utils.tensorboard import SummaryWriter
 
     if checkpoint is not None:
@@ -749,7 +710,8 @@ def start_run(args, checkpoint, rank=0, distributed=False):
             names = [run_dir.name if rank == 0 else None]
             dist.broadcast_object_list(names, src=0)
             run_dir = Path(args.runs_dir) / names[0]
-    writer = NoWriter()
+    nothing = lambda *args, **kwargs: None
+    writer = SimpleNamespace(add_scalar=nothing, add_text=nothing, close=nothing)  # what other ranks log to
     if rank == 0:
         # purge_step drops the events a crashed run wrote after its last checkpoint
         writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
@@ -831,12 +793,9 @@ class Progress:
 
 # ----------------------------------------------------------------------------- --compile
 class CompiledStep:
-    """--compile: `step` (the update's optimizer step: loss, backward, clip, optimizer) under
-    torch.compile, on CUDA replayed from CUDA graphs (mode="reduce-overhead"); docs/update.md.
-    It compiles at its first call, whose time it keeps (`seconds`, for the first progress line).
-    A call that raises compiled and not eagerly (a Dynamo or Inductor error, e.g. on an edited
-    network) is run again eagerly, as is every later one: one line on stderr says why. The step
-    zeroes the gradients first, so a compiled attempt that failed half-way leaves none behind."""
+    """--compile: `step` (loss, backward, clip, optimizer step) under torch.compile, replayed from CUDA
+    graphs on CUDA, its first call timed; a call that fails compiled, and every later one, runs eagerly
+    after one line on stderr (docs/update.md)."""
 
     def __init__(self, step, device: torch.device, backend="inductor"):
         global all_reduce_gradients  # here, not at import: torch._dynamo takes seconds to import
@@ -877,10 +836,8 @@ class CompiledStep:
 
 
 def optimizer_options(device: torch.device, compile: bool, has_fused=True) -> dict:
-    """A torch optimizer's implementation (Adam's, RMSprop's): eager, the fused kernel on CUDA where
-    there is one; --compile (a tensor rate, which a foreach optimizer reads only when capturable):
-    capturable foreach on CUDA, which Inductor fuses and CUDA graphs replay (its step count on the
-    device), single-tensor on the CPU. Every key is set, so that a resume can impose them."""
+    """A torch optimizer's implementation: eager, fused on CUDA where there is one; --compile, capturable
+    foreach on CUDA, single-tensor on the CPU (docs/update.md). Every key is set: a resume imposes them."""
     cuda = device.type == "cuda"
     if not compile:
         return dict(foreach=None, capturable=False) | (dict(fused=cuda or None) if has_fused else {})
@@ -888,16 +845,14 @@ def optimizer_options(device: torch.device, compile: bool, has_fused=True) -> di
 
 
 def load_optimizer(optimizer, saved: dict, hyper: dict):
-    """Restore a checkpoint's optimizer state under this run's `hyper` (rate, implementation), not
-    the saved ones, so that eager and --compile can resume each other's checkpoints: set before
-    loading too, which puts the step counts where this implementation keeps them."""
+    """Restore a checkpoint's optimizer state under this run's `hyper` (rate, implementation), set before
+    loading too, so that eager and --compile resume each other's checkpoints."""
     optimizer.load_state_dict(saved | {"param_groups": [group | hyper for group in saved["param_groups"]]})
     optimizer.param_groups[0].update(hyper)  # the rate tensor itself, not the copy loading made
 
 
 def set_lr(optimizer, lr: float):
-    """The optimizer's rate, in place where it is a tensor (--compile: the compiled step reads the
-    tensor, so annealing it recompiles nothing)."""
+    """The optimizer's rate, in place where it is a tensor (--compile: annealing recompiles nothing)."""
     group = optimizer.param_groups[0]
     if isinstance(group["lr"], torch.Tensor):
         group["lr"].fill_(lr)
@@ -1086,10 +1041,6 @@ def stopped_message(stop, global_step, checkpoint_path) -> str:
 # The run-long guard: the largest mean |difference| between the rollout's stored log-probs and
 # the learner's, for the same weights and actions, that rounding explains (README, "The guard").
 LOGPROB_GAP_BOUND = {"fp32": 1e-3, "bf16": 2e-2}
-
-
-def all_finite(module: torch.nn.Module) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in module.parameters())
 
 
 @torch.no_grad()
@@ -1285,29 +1236,20 @@ def evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
 
 # ----------------------------------------------------------------------------- profiling
 class Profiler:
-    """--profile: a table of time per phase over iterations 2-4 (the first only where it is the
-    last), and a torch.profiler trace of them (trace.json, for Perfetto): the first warms up (CUDA
-    graph capture, first launches, --compile's compile), so its times would swamp the rest. Free
-    when off; never syncs the device: host phases are perf_counter spans, a batch-step's GPU
-    time comes from events on its stream."""
+    """--profile: a table of time per phase over iterations 2-4 (the first only where it is the last)
+    and a torch.profiler trace of them (trace.json, for Perfetto); docs/rollout.md, "Profiling". Free
+    when off, never syncs the device: a batch-step's GPU time comes from events on its stream."""
 
-    def __init__(self, enabled: bool, run_dir=None, device=torch.device("cpu"), iterations=4):
+    def __init__(self, enabled: bool, run_dir=None, device=torch.device("cpu")):
         self.enabled, self.cuda = enabled, enabled and device.type == "cuda"
         self.totals, self.pending, self.lock = {}, [], threading.Lock()
-        self.iterations, self.done, self.null = iterations, 0, contextlib.nullcontext()
+        self.done, self.null = 0, contextlib.nullcontext()
         self.wall_start = None  # the end of the first iteration
         if enabled:
             activities = [torch.profiler.ProfilerActivity.CPU]
-            activities += [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+            activities += [torch.profiler.ProfilerActivity.CUDA] if self.cuda else []
             self.trace = str(Path(run_dir) / "trace.json")
-            schedule = torch.profiler.schedule(wait=0, warmup=0, active=iterations - 1, repeat=1)
-            self.torch_profiler = torch.profiler.profile(
-                activities=activities, schedule=schedule, on_trace_ready=self.save_trace
-            )
-
-    def save_trace(self, torch_profiler):
-        torch_profiler.export_chrome_trace(self.trace)
-        print(f"profiler trace: {self.trace} (open in https://ui.perfetto.dev)", flush=True)
+            self.torch_profiler = torch.profiler.profile(activities=activities)
 
     def __call__(self, name):
         """Around a host phase: its wall time, added to `name`."""
@@ -1350,11 +1292,11 @@ class Profiler:
             self.wall_start = time.perf_counter()
         if self.done == 1:
             self.torch_profiler.start()  # after the first iteration, and after any CUDA graph capture
-        else:
-            self.torch_profiler.step()
-        if self.done == self.iterations or last:
+        if self.done == 4 or last:
             self.torch_profiler.stop()
+            self.torch_profiler.export_chrome_trace(self.trace)
             self.enabled = self.cuda = False
+            print(f"profiler trace: {self.trace} (open in https://ui.perfetto.dev)", flush=True)
             print(self.table(), flush=True)
 
     def table(self) -> str:

@@ -213,8 +213,3 @@ def test_each_batch_captures_its_graphs_on_its_own_stream(monkeypatch):
 )
 def test_driver_resolves_by_device_and_batches(driver, device, batches, resolved):
     assert utils.resolve_driver(driver, torch.device(device), batches) == resolved
-
-
-def test_an_unknown_driver_is_refused():
-    with pytest.raises(utils.UsageError, match="--driver 'fibers': expected auto, single, threads or sequential"):
-        utils.resolve_driver("fibers", torch.device("cpu"), 2)

@@ -627,8 +627,6 @@ def test_precision_resolves_by_hardware_and_bf16_is_refused_where_missing(monkey
     cpu = torch.device("cpu")
     assert utils.resolve_precision("auto", cpu) == ("bf16" if utils.cpu_has_bf16() else "fp32")
     assert utils.resolve_precision("bf16", cpu) == "bf16"  # CPUs run bf16 (slowly without AVX-512 BF16)
-    with pytest.raises(utils.UsageError, match="--precision 'fp16'"):
-        utils.resolve_precision("fp16", cpu)
 
 
 # ----------------------------------------------------------------------------- 4. evaluation
@@ -751,7 +749,7 @@ def test_nonfinite_policy_sees_nan_weights_and_overflowing_outputs():
     with torch.no_grad():
         for p in agent.parameters():
             p.copy_(p.sign() * 1e30)  # finite weights, overflowing outputs
-    assert utils.all_finite(agent) and utils.nonfinite_policy(agent, obs)
+    assert all(p.isfinite().all() for p in agent.parameters()) and utils.nonfinite_policy(agent, obs)
     with torch.no_grad():
         agent.critic.bias.fill_(float("nan"))
     assert utils.nonfinite_policy(agent, obs)
