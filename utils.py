@@ -30,27 +30,39 @@ import torch
 SCORES_CSV = Path(__file__).with_name("atari_scores.csv")
 FRAME_SHAPE = (84, 84)
 STACK = 4
-# The ALE v5 protocol every script plays (docs/protocol.md); tests override single fields.
-ALE_V5 = dict(
-    frameskip=4, repeat_action_probability=0.25, noop_max=30, use_fire_reset=True,
-    max_num_frames_per_episode=108_000, reward_clipping=False, autoreset_mode="SameStep",
-)  # fmt: skip
+# the game's settings: fields of every script's Args, whose defaults are the protocol (README, "The game")
+GAME = ("repeat_action_probability", "frame_skip", "noop_max", "fire_reset", "max_episode_frames",
+        "full_action_space", "clip_rewards", "life_loss_terminal")  # fmt: skip
+
+
+def game_settings(args) -> dict:
+    """The game a script's args set (GAME's fields), as plain data."""
+    return {name: getattr(args, name) for name in GAME}
+
+
+def ale_options(game: dict) -> dict:
+    """AtariVectorEnv's keywords for `game`: rewards unclipped (returns are summed from them)."""
+    return dict(
+        frameskip=game["frame_skip"], repeat_action_probability=game["repeat_action_probability"],
+        noop_max=game["noop_max"], use_fire_reset=game["fire_reset"],
+        max_num_frames_per_episode=game["max_episode_frames"], full_action_space=game["full_action_space"],
+        reward_clipping=False, autoreset_mode="SameStep",
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- threaded envs
 def seeded_reset(envs, seed):
-    """Seed an AtariVectorEnv (env i gets seed + i, below 2**31) and start its games; returns
-    (obs, info). The second, unseeded reset unties the first game's FIRE frame from its noop
-    count, which one seed draws from the same position (docs/protocol.md)."""
+    """Seed an AtariVectorEnv (env i: seed + i, below 2**31) and start its games; returns (obs, info).
+    The second, unseeded reset unties the first game's FIRE frame from its noop count (docs/protocol.md)."""
     envs.reset(seed=(seed + np.arange(envs.num_envs)) % 2**31)
     return envs.reset()
 
 
-def probe_frames(env_id, num_envs, device, steps=40, seed=0) -> torch.Tensor:
+def probe_frames(env_id, game, num_envs, device, steps=40, seed=0) -> torch.Tensor:
     """Real frame stacks, uint8 [num_envs, 4, 84, 84] on `device`, after `steps` random steps."""
     from ale_py.vector_env import AtariVectorEnv
 
-    envs = AtariVectorEnv(rom_id(env_id), num_envs, **ALE_V5, num_threads=1)
+    envs = AtariVectorEnv(rom_id(env_id), num_envs, **ale_options(game), num_threads=1)
     obs, _ = seeded_reset(envs, seed)
     actions = np.random.default_rng(seed).integers(envs.single_action_space.n, size=(steps, num_envs))
     for action in actions:
@@ -60,21 +72,19 @@ def probe_frames(env_id, num_envs, device, steps=40, seed=0) -> torch.Tensor:
 
 
 class ThreadedAtariEnvs:
-    """`num_envs` ale-py envs (v5 protocol) in `num_batches` fixed batches, each one
-    AtariVectorEnv whose C++ threads step it with the GIL released. Each env returns its newest
-    frame only (the stacks live on the device); full-game returns are summed here, the learner
-    gets clipped rewards. serial=True: send() steps the batch to completion (for debugging)."""
+    """`num_envs` ale-py envs playing `game` in `num_batches` fixed batches, each one AtariVectorEnv
+    whose C++ threads step it with the GIL released. Each env returns its newest frame only; full-game
+    returns are summed here from raw rewards. serial=True: send() steps the batch to completion (debugging)."""
 
-    def __init__(
-        self, env_id, num_envs, num_batches, num_threads, seed, life_loss_terminal=True, serial=False, first_core=None
-    ):
+    def __init__(self, env_id, num_envs, num_batches, num_threads, seed, game, serial=False, first_core=None):
         from ale_py.vector_env import AtariVectorEnv
 
         assert num_envs % num_batches == 0
         self.num_envs, self.num_batches = num_envs, num_batches
         self.batch_size = num_envs // num_batches
         self.slices = [slice(b * self.batch_size, (b + 1) * self.batch_size) for b in range(num_batches)]
-        self.life_loss_terminal = life_loss_terminal
+        self.life_loss_terminal = game["life_loss_terminal"]
+        self.reward_bound = 1.0 if game["clip_rewards"] else np.inf  # what the learner's rewards are clipped to
         self.threads_per_batch = split_threads(num_threads, num_batches, self.batch_size)
         # with first_core, batch b's threads are pinned to its own cores, after the earlier batches'
         offsets = np.cumsum([0, *self.threads_per_batch[:-1]])
@@ -82,11 +92,11 @@ class ThreadedAtariEnvs:
             AtariVectorEnv(
                 rom_id(env_id),
                 self.batch_size,
-                **ALE_V5,
+                **ale_options(game),
                 num_threads=threads,
                 thread_affinity_offset=-1 if first_core is None else first_core + int(offsets[b]),
                 stack_num=1,
-                life_loss_info=life_loss_terminal,
+                life_loss_info=self.life_loss_terminal,
             )
             for b, threads in enumerate(self.threads_per_batch)
         ]
@@ -118,8 +128,8 @@ class ThreadedAtariEnvs:
             self.results[b] = self.envs[b].recv()
 
     def recv(self, b: int, rewards_out: np.ndarray, dones_out: np.ndarray):
-        """Wait for batch b and write its clipped rewards and learner terminals in place;
-        returns (frames uint8 [batch, 84, 84], indices in the batch whose game ended)."""
+        """Wait for batch b and write the learner's rewards and terminals in place; returns (frames
+        uint8 [batch, 84, 84], indices in the batch whose game ended)."""
         if self.serial:
             obs, reward, terminated, truncated, info = self.results[b]
         else:
@@ -128,7 +138,7 @@ class ThreadedAtariEnvs:
         self.steps[b] += 1
         self.episode_return[sl] += reward
         self.episode_length[sl] += 1
-        np.clip(reward, -1, 1, out=rewards_out, casting="unsafe")
+        np.clip(reward, -self.reward_bound, self.reward_bound, out=rewards_out, casting="unsafe")
         # a real game over restarts the episode frame counter; a lost life does not
         new_frame_number = info["episode_frame_number"]
         game_over = truncated | (terminated & (new_frame_number < self.frame_number[sl]))
@@ -159,11 +169,6 @@ def split_threads(num_threads, num_batches, batch_size) -> list[int]:
     """Batch b gets q + (b < r) threads, q, r = divmod(num_threads, num_batches); 1 to batch_size."""
     q, r = divmod(num_threads, num_batches)
     return [max(1, min(q + (b < r), batch_size)) for b in range(num_batches)]
-
-
-def threads_text(threads_per_batch) -> str:
-    """'15 env threads (2,2,2,2,2,2,2,1 per batch)'."""
-    return f"{sum(threads_per_batch)} env threads ({','.join(map(str, threads_per_batch))} per batch)"
 
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "quota period", or "max period"
@@ -306,13 +311,11 @@ class BatchedRollout:
     writing straight into the script's storage (passed by keyword, shapes in the script).
     policy: kernels.rollout_policy's; driver: see drive; cuda_graphs: replay each batch-step."""
 
-    def __init__(
-        self, envs, policy, *, obs, actions, logprobs, values, rewards, dones, driver, cuda_graphs, profiler=None
-    ):
+    def __init__(self, envs, policy, *, obs, actions, logprobs, values, rewards, dones, driver, cuda_graphs, profiler):
         import kernels  # here, not at the top: the baseline imports utils and needs no Triton
 
         self.kernels, self.policy = kernels, policy
-        self.envs, self.driver, self.profiler = envs, driver, profiler or Profiler(False)
+        self.envs, self.driver, self.profiler = envs, driver, profiler
         self.rewards, self.dones = rewards, dones
         self.device, (T, N) = obs.device, rewards.shape
         self.T, self.obs, self.slices, num_batches = T, obs, envs.slices, len(envs.slices)
@@ -516,14 +519,14 @@ def rom_id(env_id: str) -> str:
     return atari_games()[game_name(env_id).lower()][1]
 
 
-def num_actions(env_id: str) -> int:
-    """The size of the game's minimal action set (what the envs use), read from the ROM."""
+def num_actions(env_id: str, full_action_space: bool) -> int:
+    """The size of the action set the envs use: every joystick action, or the game's minimal set."""
     from ale_py import ALEInterface, LoggerMode, roms
 
     ALEInterface.setLoggerMode(LoggerMode.Error)
     ale = ALEInterface()
     ale.loadROM(roms.get_rom_path(rom_id(env_id)))
-    return len(ale.getMinimalActionSet())
+    return len(ale.getLegalActionSet() if full_action_space else ale.getMinimalActionSet())
 
 
 def cli(args_class):
@@ -576,34 +579,27 @@ def resolve_device(spec: str) -> torch.device:
 
 
 # every numeric flag's valid range (its --help says it too): flag -> (what it must be, test)
+AT_LEAST_0, AT_LEAST_1 = ("at least 0", lambda v: v >= 0), ("at least 1", lambda v: v >= 1)
+POSITIVE = ("finite and > 0", lambda v: math.isfinite(v) and v > 0)
+NON_NEGATIVE = ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0)
 RANGES = {
     "seed": ("an integer in [0, 2**32 - 1]", lambda v: 0 <= v < 2**32),
-    "total_timesteps": ("at least 1", lambda v: v >= 1),
-    "num_envs": ("at least 1", lambda v: v >= 1),
-    "num_steps": ("at least 1", lambda v: v >= 1),
-    "num_minibatches": ("at least 1", lambda v: v >= 1),
-    "update_epochs": ("at least 0", lambda v: v >= 0),
-    "num_gpu_batches": ("at least 1", lambda v: v >= 1),
+    **dict.fromkeys(["total_timesteps", "num_envs", "num_steps", "num_minibatches", "num_gpu_batches", "save_interval",
+                     "log_interval", "eval_episodes", "frame_skip", "max_episode_frames"], AT_LEAST_1),
+    **dict.fromkeys(["update_epochs", "noop_max"], AT_LEAST_0),
     "num_env_threads": ("at least 1 (or unset)", lambda v: v is None or v >= 1),
-    "save_interval": ("at least 1", lambda v: v >= 1),
-    "log_interval": ("at least 1", lambda v: v >= 1),
-    "eval_episodes": ("at least 1", lambda v: v >= 1),
-    "learning_rate": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
-    "gamma": ("in [0, 1]", lambda v: 0 <= v <= 1),
-    "gae_lambda": ("in [0, 1]", lambda v: 0 <= v <= 1),
-    "clip_coef": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
-    "ent_coef": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
-    "vf_coef": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
-    "max_grad_norm": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
+    **dict.fromkeys(["learning_rate", "clip_coef", "max_grad_norm"], POSITIVE),
+    **dict.fromkeys(["ent_coef", "vf_coef", "rms_eps"], NON_NEGATIVE),
+    **dict.fromkeys(["gamma", "gae_lambda", "repeat_action_probability"], ("in [0, 1]", lambda v: 0 <= v <= 1)),
     "target_kl": ("finite and > 0 (or unset)", lambda v: v is None or (math.isfinite(v) and v > 0)),
     "rms_alpha": ("in [0, 1)", lambda v: 0 <= v < 1),
-    "rms_eps": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
-}
+}  # fmt: skip
 
 
 def check_args(args):
-    """What every script checks of its flags before anything starts: numeric ranges, the game
-    (its canonical name from here on), the experiment name, the runs directory, --capture-video."""
+    """What every script checks of its flags before anything starts: numeric ranges, the game (its
+    canonical name from here on), the experiment name, the runs directory (a directory, or under a
+    writable one), --capture-video."""
     for name, value in vars(args).items():
         if name in RANGES and not RANGES[name][1](value):
             raise UsageError(f"--{name.replace('_', '-')} must be {RANGES[name][0]}, got {value}")
@@ -738,24 +734,27 @@ def make_run_dir(args) -> Path:
 
 
 def describe_run(args, device: torch.device, envs: str, precision: str = "fp32", world_size: int = 1) -> str:
-    """The first line of every run: where it runs and what it will do."""
+    """The first line of every run: where it runs and what it will do, on which game and action set."""
     if device.type == "cuda":
         where = f"{torch.cuda.get_device_name(device)} ({device})"
     else:
         where = "cpu (no CUDA found)" if not torch.cuda.is_available() else "cpu"
+    actions = f"{num_actions(args.env_id, args.full_action_space)} actions"
+    game = f"{args.env_id} ({actions}{', full set' if args.full_action_space else ''})"
     if args.eval_checkpoint is not None:
-        what = f"evaluating {args.eval_checkpoint} on {args.env_id} for {args.eval_episodes} games"
+        what = f"evaluating {args.eval_checkpoint} on {game} for {args.eval_episodes} games"
     else:
         batch = args.batch_size * world_size
         steps = args.num_iterations * batch
         iterations = f"{args.num_iterations:,} iteration{'s' if args.num_iterations != 1 else ''}"
-        what = f"{args.env_id}, {iterations} of {batch:,} steps = {steps:,} agent steps"
+        what = f"{game}, {iterations} of {batch:,} steps = {steps:,} agent steps"
     return f"{where}, {precision}, {envs}; {what}"
 
 
 def rollout_text(args, threads_per_batch, first_core, driver, graphs, policy) -> str:
     """The first line's account of a native rollout: envs, threads, driver, graphs, policy step."""
-    text = f"{args.num_envs} envs x {args.num_gpu_batches} batches, {threads_text(threads_per_batch)}"
+    threads = f"{sum(threads_per_batch)} env threads ({','.join(map(str, threads_per_batch))} per batch)"
+    text = f"{args.num_envs} envs x {args.num_gpu_batches} batches, {threads}"
     text += " pinned" if first_core is not None else ""
     text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}, policy {policy.name}"
     return text + (f" ({policy.reason})" if policy.reason else "")
@@ -883,8 +882,8 @@ def save_checkpoint(path, state: dict):
 
 # what every checkpoint holds, and what a resumable one adds: key -> type (plain data only,
 # so that torch.load(weights_only=True) reads it without running code)
-CHECKPOINT_KEYS = {"script": str, "env_id": str, "num_actions": int, "model": dict}
-RESUME_KEYS = {"args": dict, "optimizer": dict, "iteration": int, "global_step": int, "rng": dict}
+CHECKPOINT_KEYS = {"script": str, "env_id": str, "num_actions": int, "model": dict, "args": dict}
+RESUME_KEYS = {"optimizer": dict, "iteration": int, "global_step": int, "rng": dict}
 
 
 def checkpoint_path(path) -> Path:
@@ -924,7 +923,7 @@ def load_checkpoint(path, script: str, env_id: str | None = None, make_agent=Non
             raise UsageError(f"checkpoint {name} is not a complete checkpoint of {script}: {key!r} is {got}")
     agent = None
     if make_agent is not None:
-        actions = num_actions(state["env_id"])
+        actions = num_actions(state["env_id"], state["args"].get("full_action_space") is True)
         if state["num_actions"] != actions:
             game = game_name(state["env_id"])
             raise UsageError(f"checkpoint {name} has {state['num_actions']} actions, {game} has {actions}")
@@ -963,8 +962,12 @@ def check_optimizer_state(optimizer_state: dict, parameters, name):
                 raise UsageError(f"checkpoint {name}: its optimizer state is for another network")
 
 
-def check_resume_args(checkpoint: dict, args, names=("num_envs", "num_steps", "total_timesteps")):
-    """A resumed run keeps what maps iterations to steps and sets the LR schedule; a finished one cannot resume."""
+# what a resumed run keeps: what maps iterations to steps and sets the LR schedule, and the game
+RESUME_ARGS = ("num_envs", "num_steps", "total_timesteps", *GAME)
+
+
+def check_resume_args(checkpoint: dict, args, names=RESUME_ARGS):
+    """A resumed run keeps `names` as the checkpoint has them; a finished one cannot resume."""
     saved = checkpoint.get("args", {})
     for name in names:
         if name in saved and saved[name] != getattr(args, name):
@@ -973,6 +976,12 @@ def check_resume_args(checkpoint: dict, args, names=("num_envs", "num_steps", "t
     if checkpoint["iteration"] >= args.num_iterations:
         steps = checkpoint["global_step"]
         raise UsageError(f"checkpoint {str(args.resume)!r} ends a finished run ({steps:,} steps): nothing to resume")
+
+
+def play_checkpoint_game(args, checkpoint: dict):
+    """Evaluation plays the game a checkpoint was trained on: its game and settings go into args."""
+    args.env_id = canonical_env_id(checkpoint["env_id"])
+    vars(args).update({name: value for name, value in checkpoint["args"].items() if name in GAME})
 
 
 def rng_states(device: torch.device) -> dict:
@@ -1073,21 +1082,22 @@ def fail_diverged(what: str, iteration: int, checkpoint_path, *to_close):
     fail(f"{what} at iteration {iteration}; {last}", code=1)
 
 
-# ----------------------------------------------------------------------------- ALE v5 in gymnasium
-class AleV5GameStart(gym.Wrapper):
-    """ale-py's vector-env game start for a gymnasium ALE env made with frameskip=1: FIRE for
-    one frame where the game has it, then max(0, U{0..29} - 1) noop frames."""
+# ----------------------------------------------------------------------------- the game in gymnasium
+class AleGameStart(gym.Wrapper):
+    """ale-py's vector-env game start for a gymnasium ALE env made with frameskip=1: FIRE for one
+    frame where the action set has it (fire_reset), then max(0, U{0..noop_max-1} - 1) noop frames."""
 
-    def __init__(self, env, noop_max=ALE_V5["noop_max"]):
+    def __init__(self, env, noop_max, fire_reset):
         super().__init__(env)
-        self.noop_max = noop_max
-        self.fire = "FIRE" in env.unwrapped.get_action_meanings()
+        meanings = env.unwrapped.get_action_meanings()
+        self.fire = meanings.index("FIRE") if fire_reset and "FIRE" in meanings else None
+        self.noop_max = max(noop_max, 1)  # 0 draws no noop, as 1 does
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
-        if self.fire:
-            obs, _, _, _, info = self.env.step(1)
-        noops = int(self.env.unwrapped.np_random.integers(0, self.noop_max)) - self.fire
+        if self.fire is not None:
+            obs, _, _, _, info = self.env.step(self.fire)
+        noops = int(self.env.unwrapped.np_random.integers(0, self.noop_max)) - (self.fire is not None)
         for _ in range(noops):
             obs, _, terminated, truncated, info = self.env.step(0)
             if terminated or truncated:
@@ -1096,24 +1106,19 @@ class AleV5GameStart(gym.Wrapper):
 
 
 class LifeLossTerminal(gym.Wrapper):
-    """A lost life is terminal for the learner while the game goes on, as ale-py's life_loss_info
-    does: the vector env's reset() after a lost life returns the last observation and takes no
-    step, so stacks and episode statistics run over the full game. A reset with a seed or
-    options always restarts the game."""
+    """A lost life is terminal for the learner while the game goes on, as with ale-py's life_loss_info:
+    a reset after one returns the last observation and takes no step; one with a seed or options restarts."""
 
     def __init__(self, env):
         super().__init__(env)
-        self.lives = 0
-        self.game_over = True
-        self.last = None
+        self.lives, self.game_over, self.last = 0, True, None
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
         self.game_over = terminated or truncated
         lives = self.env.unwrapped.ale.lives()
         terminated = terminated or 0 < lives < self.lives
-        self.lives = lives
-        self.last = obs, info
+        self.lives, self.last = lives, (obs, info)
         return obs, reward, terminated, truncated, info
 
     def reset(self, *, seed=None, options=None):
@@ -1125,10 +1130,10 @@ class LifeLossTerminal(gym.Wrapper):
         return obs, info
 
 
-def make_env(env_id, seed, life_loss_terminal, video_dir=None):
-    """A thunk that makes one gymnasium env playing ale-py's v5 game (the baseline's envs; with
-    video_dir, evaluation's recorded games): the game start, 4 frames a step max-pooled, 84x84
-    grayscale stacks of 4, full-game statistics in info["episode"], clipped rewards."""
+def make_env(env_id, seed, game, video_dir=None):
+    """A thunk that makes one gymnasium env playing `game` as ThreadedAtariEnvs does (the baseline's envs;
+    with video_dir, evaluation's recorded games): 84x84 grayscale stacks of 4, full-game statistics in
+    info["episode"]."""
 
     def thunk():
         import multiprocessing
@@ -1138,21 +1143,22 @@ def make_env(env_id, seed, life_loss_terminal, video_dir=None):
         if multiprocessing.parent_process() is not None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a worker: Ctrl-C is for the main process
         gym.register_envs(ale_py)
-        render_mode = None if video_dir is None else "rgb_array"
         # frameskip=1 here: AtariPreprocessing skips the frames, max-pooling the last two
-        sticky = ALE_V5["repeat_action_probability"]
         env = gym.make(
-            f"ALE/{game_name(env_id)}-v5", frameskip=1, repeat_action_probability=sticky, render_mode=render_mode
-        )
+            f"ALE/{game_name(env_id)}-v5", frameskip=1, repeat_action_probability=game["repeat_action_probability"],
+            full_action_space=game["full_action_space"], max_num_frames_per_episode=game["max_episode_frames"],
+            render_mode=None if video_dir is None else "rgb_array",
+        )  # fmt: skip
         if video_dir is not None:
             env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda e: True)
-        env = AleV5GameStart(env)
-        env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=ALE_V5["frameskip"], screen_size=84)
+        env = AleGameStart(env, game["noop_max"], game["fire_reset"])
+        env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=game["frame_skip"], screen_size=84)
         env = gym.wrappers.RecordEpisodeStatistics(env)  # full games, unclipped, agent steps
         env = gym.wrappers.FrameStackObservation(env, STACK, padding_type="zero")
-        if life_loss_terminal:
+        if game["life_loss_terminal"]:
             env = LifeLossTerminal(env)
-        env = gym.wrappers.ClipReward(env, -1, 1)  # the learner sees clipped rewards
+        if game["clip_rewards"]:
+            env = gym.wrappers.ClipReward(env, -1, 1)
         env.action_space.seed(seed)
         return env
 
@@ -1166,7 +1172,8 @@ def evaluate_checkpoint(make_agent, evaluated, args, device):
     agent.load_state_dict(evaluated["model"])
     act = lambda obs: agent.get_action_and_value(obs)[0]  # noqa: E731
     video_dir = Path(args.eval_checkpoint).parent / "videos"
-    returns = evaluate(args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir)
+    game = game_settings(args)
+    returns = evaluate(args.env_id, game, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir)
     mean, std = float(np.mean(returns)), float(np.std(returns))
     hns = human_normalized(game_name(args.env_id), mean)
     hns_text = f"{hns:.3f}" if hns is not None else "n/a (no human score for this game)"
@@ -1185,41 +1192,32 @@ def human_normalized(game: str, score: float) -> float | None:
     return None
 
 
-def evaluate(env_id, act, episodes, seed, device, capture_video=False, video_dir=None):
-    """The full-game, unclipped returns of `episodes` games played by act(uint8 [n, 4, 84, 84]) -> [n]."""
+def evaluate(env_id, game, act, episodes, seed, device, capture_video=False, video_dir=None):
+    """The full-game, unclipped returns of `episodes` games of `game`, one per env (env i seeded seed + i),
+    played by act(uint8 [n, 4, 84, 84]) -> [n]."""
     if capture_video:
-        return evaluate_with_video(env_id, act, episodes, seed, device, video_dir)
-    from ale_py.vector_env import AtariVectorEnv
-
-    num_envs = min(episodes, 8)
-    envs = AtariVectorEnv(
-        rom_id(env_id), num_envs, **ALE_V5, stack_num=STACK, num_threads=min(num_envs, os.cpu_count())
-    )
-    obs, info = seeded_reset(envs, seed)
-    returns, current = [], np.zeros(num_envs)
-    started = np.zeros(num_envs, dtype=np.int64) + 1  # how many games each env has begun
-    quota = np.array([episodes // num_envs + (i < episodes % num_envs) for i in range(num_envs)])
-    frame_number = info["episode_frame_number"].copy()
+        return evaluate_with_video(env_id, game, act, episodes, seed, device, video_dir)
+    envs = ThreadedAtariEnvs(env_id, episodes, 1, min(episodes, os.cpu_count()), seed, game)
+    obs = np.zeros((episodes, STACK, *FRAME_SHAPE), dtype=np.uint8)
+    obs[:, -1] = envs.reset()
+    rewards, dones, returns = np.zeros(episodes, np.float32), np.zeros(episodes, np.float32), {}
     while len(returns) < episodes:
         with torch.no_grad():
-            actions = act(torch.from_numpy(obs).to(device)).cpu().numpy()
-        obs, reward, terminated, truncated, info = envs.step(actions)
-        current += reward
-        game_over = truncated | (terminated & (info["episode_frame_number"] < frame_number))
-        frame_number = info["episode_frame_number"].copy()
-        for i in np.flatnonzero(game_over):
-            if started[i] <= quota[i]:  # games begun beyond the quota are not counted
-                returns.append(float(current[i]))
-            started[i] += 1
-            current[i] = 0
+            envs.send(0, act(torch.from_numpy(obs).to(device)).cpu().numpy())
+        frames, ended = envs.recv(0, rewards, dones)
+        obs[:, :-1] = obs[:, 1:]
+        obs[ended, :-1] = 0  # a new game's older frames are zero
+        obs[:, -1] = frames
+        for i, episodic_return, *_ in envs.pop_finished():
+            returns.setdefault(i, episodic_return)  # each env's first game
     envs.close()
-    return returns
+    return list(returns.values())
 
 
-def evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
+def evaluate_with_video(env_id, game, act, episodes, seed, device, video_dir):
     """evaluate, one game at a time through the gymnasium pipeline, which can render and record
     (with moviepy, which check_args has checked for)."""
-    env = make_env(env_id, seed, life_loss_terminal=False, video_dir=video_dir)()
+    env = make_env(env_id, seed, game | dict(life_loss_terminal=False), video_dir=video_dir)()
     returns = []
     for episode in range(episodes):
         obs, _ = env.reset(seed=seed + episode)
