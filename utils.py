@@ -89,22 +89,14 @@ class ThreadedAtariEnvs:
         # with first_core, batch b's threads are pinned to its own cores, after the earlier batches'
         offsets = np.cumsum([0, *self.threads_per_batch[:-1]])
         self.envs = [
-            AtariVectorEnv(
-                rom_id(env_id),
-                self.batch_size,
-                **ale_options(game),
-                num_threads=threads,
-                thread_affinity_offset=-1 if first_core is None else first_core + int(offsets[b]),
-                stack_num=1,
-                life_loss_info=self.life_loss_terminal,
-            )
+            AtariVectorEnv(rom_id(env_id), self.batch_size, **ale_options(game), num_threads=threads, stack_num=1,
+                           thread_affinity_offset=-1 if first_core is None else first_core + int(offsets[b]),
+                           life_loss_info=self.life_loss_terminal)
             for b, threads in enumerate(self.threads_per_batch)
-        ]
-        self.num_actions = int(self.envs[0].single_action_space.n)
-        self.seed = seed
+        ]  # fmt: skip
+        self.num_actions, self.seed = int(self.envs[0].single_action_space.n), seed
         self.episode_return = np.zeros(num_envs, dtype=np.float64)
-        self.episode_length = np.zeros(num_envs, dtype=np.int64)
-        self.frame_number = np.zeros(num_envs, dtype=np.int64)
+        self.episode_length, self.frame_number = np.zeros(num_envs, dtype=np.int64), np.zeros(num_envs, dtype=np.int64)
         self.finished = []  # (env index, full-game return, length in agent steps, step it ended)
         self.steps = np.zeros(num_batches, dtype=np.int64)  # vector steps per batch since pop_finished
         self.serial = serial
@@ -145,11 +137,9 @@ class ThreadedAtariEnvs:
         self.frame_number[sl] = new_frame_number
         np.logical_or(terminated if self.life_loss_terminal else game_over, truncated, out=dones_out, casting="unsafe")
         ended = np.flatnonzero(game_over)
-        for i in ended:
-            j = sl.start + i
+        for j in sl.start + ended:
             self.finished.append((j, float(self.episode_return[j]), int(self.episode_length[j]), int(self.steps[b])))
-            self.episode_return[j] = 0
-            self.episode_length[j] = 0
+        self.episode_return[sl.start + ended] = self.episode_length[sl.start + ended] = 0
         return obs[:, 0], ended
 
     def pop_finished(self):
@@ -230,18 +220,10 @@ def join_streams(streams):
 
 
 def new_event(device: torch.device):
-    """An event the host waits on by sleeping, not by spinning a core the env threads need."""
-    return torch.cuda.Event(blocking=True) if device.type == "cuda" else None
-
-
-def record(event, stream=None):
-    if event is not None:
-        event.record(stream)
-
-
-def wait(event):
-    if event is not None:
-        event.synchronize()
+    """An event the host waits on by sleeping, not by spinning a core the env threads need (CPU: a no-op)."""
+    if device.type == "cuda":
+        return torch.cuda.Event(blocking=True)
+    return SimpleNamespace(record=lambda stream=None: None, synchronize=lambda: None)
 
 
 def host_buffer(shape, dtype, device: torch.device) -> torch.Tensor:
@@ -279,30 +261,17 @@ def capture_graphs(step, num_steps, num_batches, streams):
 
 
 def drive(rollouts, mode, pool=None):
-    """Run every batch's rollout generator to its end; returns what each returned. "single": one
-    thread resumes them in turn (each yields where it waits); "threads": one worker thread each
-    from `pool`; "sequential": one after another."""
+    """Run every batch's rollout generator to its end. "single": one thread resumes them in turn (each
+    yields where it waits); "threads": one worker thread each from `pool`; "sequential": one after another."""
+    run_through = functools.partial(deque, maxlen=0)
     if mode == "threads":
-        return list(pool.map(run_through, rollouts))
-    if mode == "sequential":
-        return [run_through(rollout) for rollout in rollouts]
-    results, live = [None] * len(rollouts), list(enumerate(rollouts))
-    while live:
-        for item in list(live):
-            try:
-                next(item[1])
-            except StopIteration as done:
-                results[item[0]] = done.value
-                live.remove(item)
-    return results
-
-
-def run_through(generator):
-    while True:
-        try:
-            next(generator)
-        except StopIteration as done:
-            return done.value
+        list(pool.map(run_through, rollouts))
+    elif mode == "sequential":
+        for rollout in rollouts:
+            run_through(rollout)
+    else:
+        while rollouts:  # each next() runs a batch to its next wait
+            rollouts = [rollout for rollout in rollouts if next(rollout, StopIteration) is not StopIteration]
 
 
 class BatchedRollout:
@@ -365,7 +334,7 @@ class BatchedRollout:
                 self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
                 prev, out = self.obs[self.T - 1, self.slices[b]], self.obs[self.T, self.slices[b]]
                 kernels.push_frames(prev, self.buffers[b].staged, out, self.buffers[b].x)
-                record(self.step_done[b], self.streams[b])  # staging[b] is written again after it
+                self.step_done[b].record(self.streams[b])  # staging[b] is written again after it
         join_streams(self.streams)
         self.dones_np[self.T] = 0
 
@@ -376,19 +345,19 @@ class BatchedRollout:
         if self.device.type == "cpu":
             torch.set_num_threads(1)  # idle OpenMP threads would spin on the env threads' cores
         torch.rand(self.uniforms.shape, out=self.uniforms, device=self.device)
-        wait(self.copied)  # the last copies of the host buffers are done
+        self.copied.synchronize()  # the last copies of the host buffers are done
         self.dones_np[0] = self.dones_np[self.T]
         fork_streams(self.streams)
-        rollouts = [self.rollout_batch(b, should_stop) for b in range(len(self.slices))]
-        completed = drive(rollouts, self.driver, self.pool)
+        self.stopped = False
+        drive([self.rollout_batch(b, should_stop) for b in range(len(self.slices))], self.driver, self.pool)
         join_streams(self.streams)
         if self.device.type == "cpu":
             torch.set_num_threads(self.training_threads)
-        if min(completed) <= self.T:
+        if self.stopped:
             return False
         self.rewards.copy_(self.rewards_host, non_blocking=True)
         self.dones.copy_(self.dones_host, non_blocking=True)
-        record(self.copied)
+        self.copied.record()
         return True
 
     def launch(self, t, b, frames=None, ended=()):
@@ -401,17 +370,18 @@ class BatchedRollout:
             with self.profiler.gpu(self.streams[b]):
                 self.step(t, b)
             self.actions_host[b].copy_(self.step_views[t][b][3], non_blocking=True)
-            record(self.step_done[b], self.streams[b])
+            self.step_done[b].record(self.streams[b])
 
     def rollout_batch(self, b, should_stop):
         """Env batch b through the horizon, as a generator that pauses (yield) while its policy
-        runs and while its envs step; returns the steps done (fewer after a stop)."""
+        runs and while its envs step; a stop sets self.stopped and ends it."""
         sl = self.slices[b]
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per thread
         for step in range(self.T + 1):
             if should_stop():
-                return step
+                self.stopped = True
+                return
             if step == 0:
                 self.launch(0, b)
             else:
@@ -420,11 +390,10 @@ class BatchedRollout:
                 self.launch(step, b, frames, ended)
             yield
             with self.profiler("GPU wait"):
-                wait(self.step_done[b])
+                self.step_done[b].synchronize()
             if step < self.T:  # the step after the horizon only gives the bootstrap value
                 self.envs.send(b, self.actions_host_np[b])
                 yield
-        return self.T + 1
 
     def close(self):
         if self.pool is not None:
@@ -764,9 +733,7 @@ class Progress:
     """One line per iteration, from host-side numbers only (no GPU sync)."""
 
     def __init__(self, total_steps: int, start_step: int):
-        self.total_steps = total_steps
-        self.start_step = start_step
-        self.start_time = time.time()
+        self.total_steps, self.start_step, self.start_time = total_steps, start_step, time.time()
         self.recent_returns = deque(maxlen=20)
         self.rollout_time = 0.0  # seconds spent collecting, added up by the scripts
         self.compiled = None  # --compile: the CompiledStep, whose time the first line reports
@@ -921,18 +888,16 @@ def load_checkpoint(path, script: str, env_id: str | None = None, make_agent=Non
         if not isinstance(state.get(key), kind) or (kind is int and isinstance(state[key], bool)):
             got = "missing" if key not in state else f"a {type(state[key]).__name__}"
             raise UsageError(f"checkpoint {name} is not a complete checkpoint of {script}: {key!r} is {got}")
-    agent = None
+    agent, game = None, game_name(state["env_id"])
     if make_agent is not None:
         actions = num_actions(state["env_id"], state["args"].get("full_action_space") is True)
         if state["num_actions"] != actions:
-            game = game_name(state["env_id"])
             raise UsageError(f"checkpoint {name} has {state['num_actions']} actions, {game} has {actions}")
         agent = make_agent(actions)
         try:
             agent.load_state_dict(state["model"])
         except (RuntimeError, TypeError, ValueError, AttributeError) as e:
             first = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
-            game = game_name(state["env_id"])
             raise UsageError(f"checkpoint {name}: its weights do not fit the network for {game} ({first})")
     if resume:
         check_optimizer_state(state["optimizer"], list(agent.parameters()) if agent is not None else None, name)
@@ -968,7 +933,7 @@ RESUME_ARGS = ("num_envs", "num_steps", "total_timesteps", *GAME)
 
 def check_resume_args(checkpoint: dict, args, names=RESUME_ARGS):
     """A resumed run keeps `names` as the checkpoint has them; a finished one cannot resume."""
-    saved = checkpoint.get("args", {})
+    saved = checkpoint["args"]
     for name in names:
         if name in saved and saved[name] != getattr(args, name):
             flag, value = f"--{name.replace('_', '-')}", getattr(args, name)
