@@ -299,8 +299,8 @@ if __name__ == "__main__":
     requested = 1 if args.driver == "sequential" else args.num_env_threads
     threads_per_batch, first_core = utils.env_threads(requested, device, num_batches, batch)
     graphs = args.cuda_graphs and device.type == "cuda"
-    # the rollout's policy step: the fused kernels if they compute this Agent, else Agent.forward
     game = utils.game_settings(args)  # the game block of Args, as the envs play it
+    # the rollout's policy step: the fused kernels if they compute this Agent, else Agent.forward
     num_actions = utils.num_actions(args.env_id, args.full_action_space)
     agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
     try:

@@ -340,8 +340,8 @@ if __name__ == "__main__":
         requested, device, num_batches, batch, local_rank, local_world_size
     )
     graphs = args.cuda_graphs and device.type == "cuda"
-    # the rollout's policy step: the fused kernels if they compute this Agent, else Agent.forward
     game = utils.game_settings(args)  # the game block of Args, as the envs play it
+    # the rollout's policy step: the fused kernels if they compute this Agent, else Agent.forward
     num_actions = utils.num_actions(args.env_id, args.full_action_space)
     agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
     try:

@@ -96,7 +96,8 @@ class ThreadedAtariEnvs:
         ]  # fmt: skip
         self.num_actions, self.seed = int(self.envs[0].single_action_space.n), seed
         self.episode_return = np.zeros(num_envs, dtype=np.float64)
-        self.episode_length, self.frame_number = np.zeros(num_envs, dtype=np.int64), np.zeros(num_envs, dtype=np.int64)
+        self.episode_length = np.zeros(num_envs, dtype=np.int64)
+        self.frame_number = np.zeros(num_envs, dtype=np.int64)
         self.finished = []  # (env index, full-game return, length in agent steps, step it ended)
         self.steps = np.zeros(num_batches, dtype=np.int64)  # vector steps per batch since pop_finished
         self.serial = serial
@@ -200,7 +201,8 @@ def env_threads(requested, device, num_batches, batch_size, local_rank=0, local_
 
 # ----------------------------------------------------------------------------- GPU batching
 # Each env batch has its own stream, pinned host buffers and events, used by the rules in
-# docs/rollout.md ("Streams and events"). On CPU streams and events are None: no-ops.
+# docs/rollout.md ("Streams and events"). On CPU a stream is None (torch.cuda.stream(None) does
+# nothing) and an event records and waits for nothing.
 def new_stream(device: torch.device):
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
