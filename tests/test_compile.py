@@ -234,7 +234,18 @@ def test_a2c_compiled_on_the_general_policy_step_equals_eager(runs_dir, tmp_path
     """A2C on the general policy step (--policy module) for 3 iterations with the rate annealed:
     compiled, eagerly, and with its compile failing (no C++ compiler for Inductor, an empty cache):
     the same losses and weights; the failed one says so in one line and runs to the end."""
-    args = ["--num-envs", "8", "--log-interval", "1", "--total-timesteps", 3 * 40, "--policy", "module"]
+    args = [
+        "--num-envs",
+        "8",
+        "--num-steps",
+        "5",
+        "--log-interval",
+        "1",
+        "--total-timesteps",
+        3 * 40,
+        "--policy",
+        "module",
+    ]
     args += ["--anneal-lr", "--precision", "fp32", "--runs-dir", runs_dir]
     eager = run_script("a2c_atari.py", *args)
     compiled_run = run_script("a2c_atari.py", *args, "--compile")
