@@ -422,6 +422,7 @@ def bad_inputs(script):
         ("resume-bad-rng", ["--resume", f"{{files}}/bad-rng-{script}"], "RNG states cannot be restored"),
         # every flag checked before anything starts
         ("gamma-2", ["--gamma", "2"], "--gamma must be in [0, 1], got 2.0"),
+        ("frame-skip-0", ["--frame-skip", "0"], "--frame-skip must be at least 1, got 0"),
         ("exp-name-escapes", ["--exp-name", "../../../escaped"], "not a path"),
         ("misspelled-flag", ["--gama", "0.9"], "perhaps you meant --gamma"),
     ]  # fmt: skip
