@@ -100,6 +100,22 @@ class Args:
     """RMSprop's smoothing constant (decay of the squared-gradient average), in [0, 1)"""
     rms_eps: float = 1e-5
     """RMSprop's epsilon (rmsprop: added to the root; rmsprop-tf: inside it); finite, >= 0"""
+
+    # the game (ALE v5 protocol; README "The game")
+    repeat_action_probability: float = 0.25
+    """sticky actions: each frame repeats the previous action with this probability, in [0, 1]"""
+    frame_skip: int = 4
+    """frames per agent step, the observation max-pooled over the last two; at least 1"""
+    noop_max: int = 30
+    """a game starts after U{0..noop_max-1} noop frames, one fewer after a FIRE frame; at least 0"""
+    fire_reset: bool = True
+    """press FIRE for one frame at the start of every game, where the action set has it (not after a lost life)"""
+    max_episode_frames: int = 108_000
+    """a game is cut after this many frames (108,000: 30 minutes), a terminal for the learner; at least 1"""
+    full_action_space: bool = False
+    """all 18 joystick actions; off: the game's minimal action set"""
+    clip_rewards: bool = True
+    """the learner's rewards clipped to [-1, 1] (returns are logged unclipped)"""
     life_loss_terminal: bool = True
     """treat a lost life as terminal for the learner (returns are still logged per full game)"""
 
@@ -268,10 +284,10 @@ if __name__ == "__main__":
         checkpoint = None
         if args.resume is not None:
             checkpoint = utils.load_checkpoint(args.resume, script, args.env_id, Agent, resume=True)
-            utils.check_resume_args(checkpoint, args, ("num_envs", "num_steps", "total_timesteps", "optimizer"))
+            utils.check_resume_args(checkpoint, args, (*utils.RESUME_ARGS, "optimizer"))
         if args.eval_checkpoint is not None:
             evaluated = utils.load_checkpoint(args.eval_checkpoint, script, args.env_id, Agent)
-            args.env_id = utils.canonical_env_id(evaluated["env_id"])
+            utils.play_checkpoint_game(args, evaluated)  # its game and settings
     except utils.UsageError as e:
         utils.fail(str(e))
     dtype = utils.use_device(device, precision)  # fp32: no TF32 either, so rollout and learner agree
@@ -291,11 +307,12 @@ if __name__ == "__main__":
     requested = 1 if args.driver == "sequential" else args.num_env_threads
     threads_per_batch, first_core = utils.env_threads(requested, device, num_batches, batch)
     graphs = args.cuda_graphs and device.type == "cuda"
+    game = utils.game_settings(args)  # the game block of Args, as the envs play it
     # the rollout's policy step: the fused kernels if they compute this Agent, else Agent.forward
-    num_actions = utils.num_actions(args.env_id)  # the game's minimal action set, as the envs use it
+    num_actions = utils.num_actions(args.env_id, args.full_action_space)
     agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
     try:
-        frames = utils.probe_frames(args.env_id, batch, device)  # real frame stacks
+        frames = utils.probe_frames(args.env_id, game, batch, device)  # real frame stacks
         policy = kernels.rollout_policy(args.policy, agent, dtype, frames, num_actions)
     except kernels.PolicyMismatch as e:
         utils.fail(str(e))
@@ -308,8 +325,8 @@ if __name__ == "__main__":
     # env setup: envs cannot be checkpointed, so a resume reseeds them
     env_seed = args.seed + 1_000_003 * start_iteration
     envs = utils.ThreadedAtariEnvs(
-        args.env_id, args.num_envs, num_batches, sum(threads_per_batch), env_seed,
-        life_loss_terminal=args.life_loss_terminal, serial=args.driver == "sequential", first_core=first_core,
+        args.env_id, args.num_envs, num_batches, sum(threads_per_batch), env_seed, game,
+        serial=args.driver == "sequential", first_core=first_core,
     )  # fmt: skip
 
     # optimizer; --compile: a tensor rate, annealed in place, so that the compiled step never recompiles

@@ -82,6 +82,22 @@ class Args:
     """the maximum norm for the gradient clipping (finite, > 0)"""
     target_kl: float | None = None
     """the target KL divergence threshold (finite, > 0; unset: no early stop)"""
+
+    # the game (ALE v5 protocol; README "The game")
+    repeat_action_probability: float = 0.25
+    """sticky actions: each frame repeats the previous action with this probability, in [0, 1]"""
+    frame_skip: int = 4
+    """frames per agent step, the observation max-pooled over the last two; at least 1"""
+    noop_max: int = 30
+    """a game starts after U{0..noop_max-1} noop frames, one fewer after a FIRE frame; at least 0"""
+    fire_reset: bool = True
+    """press FIRE for one frame at the start of every game, where the action set has it (not after a lost life)"""
+    max_episode_frames: int = 108_000
+    """a game is cut after this many frames (108,000: 30 minutes), a terminal for the learner; at least 1"""
+    full_action_space: bool = False
+    """all 18 joystick actions; off: the game's minimal action set"""
+    clip_rewards: bool = True
+    """the learner's rewards clipped to [-1, 1] (returns are logged unclipped)"""
     life_loss_terminal: bool = True
     """treat a lost life as terminal for the learner (returns are still logged per full game)"""
 
@@ -241,7 +257,7 @@ if __name__ == "__main__":
             utils.check_resume_args(checkpoint, args)
         if args.eval_checkpoint is not None:
             evaluated = utils.load_checkpoint(args.eval_checkpoint, script, args.env_id, Agent)
-            args.env_id = utils.canonical_env_id(evaluated["env_id"])
+            utils.play_checkpoint_game(args, evaluated)  # its game and settings
     except utils.UsageError as e:
         utils.fail(str(e))
     print(utils.describe_run(args, device, f"{args.num_envs} envs ({args.vector_mode} vector env)"), flush=True)
@@ -260,7 +276,8 @@ if __name__ == "__main__":
 
     # env setup: envs cannot be checkpointed, so a resume reseeds them
     env_seed = args.seed + 1_000_003 * start_iteration
-    env_fns = [utils.make_env(args.env_id, env_seed + i, args.life_loss_terminal) for i in range(args.num_envs)]
+    game = utils.game_settings(args)  # the game block of Args, as the envs play it
+    env_fns = [utils.make_env(args.env_id, env_seed + i, game) for i in range(args.num_envs)]
     autoreset = gym.vector.AutoresetMode.SAME_STEP
     if args.vector_mode == "async":
         envs = gym.vector.AsyncVectorEnv(env_fns, autoreset_mode=autoreset)
@@ -387,8 +404,6 @@ if __name__ == "__main__":
         print(progress.line(iteration, args.num_iterations, global_step), flush=True)
 
         if iteration % args.save_interval == 0 or iteration == args.num_iterations:
-            if not utils.all_finite(agent):
-                utils.fail_diverged("non-finite weights", iteration, run_dir / "checkpoint.pt", writer, envs)
             save(iteration, global_step)
         if stop:
             break

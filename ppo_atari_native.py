@@ -101,6 +101,22 @@ class Args:
     """the maximum norm for the gradient clipping (finite, > 0)"""
     target_kl: float | None = None
     """the target KL divergence threshold (finite, > 0; unset: no early stop)"""
+
+    # the game (ALE v5 protocol; README "The game")
+    repeat_action_probability: float = 0.25
+    """sticky actions: each frame repeats the previous action with this probability, in [0, 1]"""
+    frame_skip: int = 4
+    """frames per agent step, the observation max-pooled over the last two; at least 1"""
+    noop_max: int = 30
+    """a game starts after U{0..noop_max-1} noop frames, one fewer after a FIRE frame; at least 0"""
+    fire_reset: bool = True
+    """press FIRE for one frame at the start of every game, where the action set has it (not after a lost life)"""
+    max_episode_frames: int = 108_000
+    """a game is cut after this many frames (108,000: 30 minutes), a terminal for the learner; at least 1"""
+    full_action_space: bool = False
+    """all 18 joystick actions; off: the game's minimal action set"""
+    clip_rewards: bool = True
+    """the learner's rewards clipped to [-1, 1] (returns are logged unclipped)"""
     life_loss_terminal: bool = True
     """treat a lost life as terminal for the learner (returns are still logged per full game)"""
 
@@ -285,7 +301,8 @@ if __name__ == "__main__":
         args = parse_args()
         device = utils.resolve_device(args.device)
         # any torchrun process joins a process group, even a lone one
-        distributed = utils.under_torchrun() and args.eval_checkpoint is None
+        torchrun = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+        distributed = torchrun and args.eval_checkpoint is None
         if distributed:
             device = utils.torchrun_device(device)  # rank r on cuda:LOCAL_RANK
         precision = utils.resolve_precision(args.precision, device)
@@ -296,7 +313,7 @@ if __name__ == "__main__":
             utils.check_resume_args(checkpoint, args)
         if args.eval_checkpoint is not None:
             evaluated = utils.load_checkpoint(args.eval_checkpoint, script, args.env_id, Agent)
-            args.env_id = utils.canonical_env_id(evaluated["env_id"])
+            utils.play_checkpoint_game(args, evaluated)  # its game and settings
     except utils.UsageError as e:
         utils.fail(str(e))
     dtype = utils.use_device(device, precision)  # fp32: no TF32 either, so rollout and learner agree
@@ -323,11 +340,12 @@ if __name__ == "__main__":
         requested, device, num_batches, batch, local_rank, local_world_size
     )
     graphs = args.cuda_graphs and device.type == "cuda"
+    game = utils.game_settings(args)  # the game block of Args, as the envs play it
     # the rollout's policy step: the fused kernels if they compute this Agent, else Agent.forward
-    num_actions = utils.num_actions(args.env_id)  # the game's minimal action set, as the envs use it
+    num_actions = utils.num_actions(args.env_id, args.full_action_space)
     agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
     try:
-        frames = utils.probe_frames(args.env_id, batch, device)  # real frame stacks
+        frames = utils.probe_frames(args.env_id, game, batch, device)  # real frame stacks
         policy = kernels.rollout_policy(args.policy, agent, dtype, frames, num_actions)
     except kernels.PolicyMismatch as e:
         utils.fail(str(e))
@@ -341,8 +359,8 @@ if __name__ == "__main__":
     # env setup: envs cannot be checkpointed, so a resume reseeds them
     env_seed = args.seed + 1_000_003 * start_iteration + 10_007 * rank
     envs = utils.ThreadedAtariEnvs(
-        args.env_id, args.num_envs, num_batches, sum(threads_per_batch), env_seed,
-        life_loss_terminal=args.life_loss_terminal, serial=args.driver == "sequential", first_core=first_core,
+        args.env_id, args.num_envs, num_batches, sum(threads_per_batch), env_seed, game,
+        serial=args.driver == "sequential", first_core=first_core,
     )  # fmt: skip
 
     # optimizer; --compile: a tensor rate, annealed in place, so that the compiled step never recompiles
@@ -471,8 +489,6 @@ if __name__ == "__main__":
         profiler.step(last=iteration == args.num_iterations)
 
         if iteration % args.save_interval == 0 or iteration == args.num_iterations:
-            if not utils.all_finite(agent):
-                utils.fail_diverged("non-finite weights", iteration, run_dir / "checkpoint.pt", writer, envs)
             save(iteration, global_step)
         if stop:
             break

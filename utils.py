@@ -1,13 +1,14 @@
 """What the Atari scripts share. First the native rollout: threaded env stepping and CUDA stream
 batching. Then the conventions every script follows: flags, torchrun, run directories and logs,
-the compiled update (--compile), checkpoints and stops, the ALE v5 protocol in gymnasium,
-evaluation, profiling. The design is written in docs/rollout.md, docs/update.md and docs/protocol.md.
+the compiled update (--compile), checkpoints and stops, the game in gymnasium, evaluation,
+profiling. The design: docs/rollout.md, docs/update.md, docs/protocol.md.
 """
 
 import contextlib
 import copy
 import csv
 import difflib
+import functools
 import math
 import os
 import pickle
@@ -21,6 +22,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import gymnasium as gym
 import numpy as np
@@ -29,27 +31,39 @@ import torch
 SCORES_CSV = Path(__file__).with_name("atari_scores.csv")
 FRAME_SHAPE = (84, 84)
 STACK = 4
-# The ALE v5 protocol every script plays (docs/protocol.md); tests override single fields.
-ALE_V5 = dict(
-    frameskip=4, repeat_action_probability=0.25, noop_max=30, use_fire_reset=True,
-    max_num_frames_per_episode=108_000, reward_clipping=False, autoreset_mode="SameStep",
-)  # fmt: skip
+# the game's settings: fields of every script's Args, whose defaults are the protocol (README, "The game")
+GAME = ("repeat_action_probability", "frame_skip", "noop_max", "fire_reset", "max_episode_frames",
+        "full_action_space", "clip_rewards", "life_loss_terminal")  # fmt: skip
+
+
+def game_settings(args) -> dict:
+    """The game a script's args set (GAME's fields), as plain data."""
+    return {name: getattr(args, name) for name in GAME}
+
+
+def ale_options(game: dict) -> dict:
+    """AtariVectorEnv's keywords for `game`: rewards unclipped (returns are summed from them)."""
+    return dict(
+        frameskip=game["frame_skip"], repeat_action_probability=game["repeat_action_probability"],
+        noop_max=game["noop_max"], use_fire_reset=game["fire_reset"],
+        max_num_frames_per_episode=game["max_episode_frames"], full_action_space=game["full_action_space"],
+        reward_clipping=False, autoreset_mode="SameStep",
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- threaded envs
 def seeded_reset(envs, seed):
-    """Seed an AtariVectorEnv (env i gets seed + i, below 2**31) and start its games; returns
-    (obs, info). The second, unseeded reset unties the first game's FIRE frame from its noop
-    count, which one seed draws from the same position (docs/protocol.md)."""
+    """Seed an AtariVectorEnv (env i: seed + i, below 2**31) and start its games; returns (obs, info).
+    The second, unseeded reset unties the first game's FIRE frame from its noop count (docs/protocol.md)."""
     envs.reset(seed=(seed + np.arange(envs.num_envs)) % 2**31)
     return envs.reset()
 
 
-def probe_frames(env_id, num_envs, device, steps=40, seed=0) -> torch.Tensor:
+def probe_frames(env_id, game, num_envs, device, steps=40, seed=0) -> torch.Tensor:
     """Real frame stacks, uint8 [num_envs, 4, 84, 84] on `device`, after `steps` random steps."""
     from ale_py.vector_env import AtariVectorEnv
 
-    envs = AtariVectorEnv(rom_id(env_id), num_envs, **ALE_V5, num_threads=1)
+    envs = AtariVectorEnv(rom_id(env_id), num_envs, **ale_options(game), num_threads=1)
     obs, _ = seeded_reset(envs, seed)
     actions = np.random.default_rng(seed).integers(envs.single_action_space.n, size=(steps, num_envs))
     for action in actions:
@@ -59,38 +73,29 @@ def probe_frames(env_id, num_envs, device, steps=40, seed=0) -> torch.Tensor:
 
 
 class ThreadedAtariEnvs:
-    """`num_envs` ale-py envs (v5 protocol) in `num_batches` fixed batches, each one
-    AtariVectorEnv whose C++ threads step it with the GIL released. Each env returns its newest
-    frame only (the stacks live on the device); full-game returns are summed here, the learner
-    gets clipped rewards. serial=True: send() steps the batch to completion (for debugging)."""
+    """`num_envs` ale-py envs playing `game` in `num_batches` fixed batches, each one AtariVectorEnv
+    whose C++ threads step it with the GIL released. Each env returns its newest frame only; full-game
+    returns are summed here from raw rewards. serial=True: send() steps the batch to completion (debugging)."""
 
-    def __init__(
-        self, env_id, num_envs, num_batches, num_threads, seed, life_loss_terminal=True, serial=False, first_core=None
-    ):
+    def __init__(self, env_id, num_envs, num_batches, num_threads, seed, game, serial=False, first_core=None):
         from ale_py.vector_env import AtariVectorEnv
 
         assert num_envs % num_batches == 0
         self.num_envs, self.num_batches = num_envs, num_batches
         self.batch_size = num_envs // num_batches
         self.slices = [slice(b * self.batch_size, (b + 1) * self.batch_size) for b in range(num_batches)]
-        self.life_loss_terminal = life_loss_terminal
+        self.life_loss_terminal = game["life_loss_terminal"]
+        self.reward_bound = 1.0 if game["clip_rewards"] else np.inf  # what the learner's rewards are clipped to
         self.threads_per_batch = split_threads(num_threads, num_batches, self.batch_size)
         # with first_core, batch b's threads are pinned to its own cores, after the earlier batches'
         offsets = np.cumsum([0, *self.threads_per_batch[:-1]])
         self.envs = [
-            AtariVectorEnv(
-                rom_id(env_id),
-                self.batch_size,
-                **ALE_V5,
-                num_threads=threads,
-                thread_affinity_offset=-1 if first_core is None else first_core + int(offsets[b]),
-                stack_num=1,
-                life_loss_info=life_loss_terminal,
-            )
+            AtariVectorEnv(rom_id(env_id), self.batch_size, **ale_options(game), num_threads=threads, stack_num=1,
+                           thread_affinity_offset=-1 if first_core is None else first_core + int(offsets[b]),
+                           life_loss_info=self.life_loss_terminal)
             for b, threads in enumerate(self.threads_per_batch)
-        ]
-        self.num_actions = int(self.envs[0].single_action_space.n)
-        self.seed = seed
+        ]  # fmt: skip
+        self.num_actions, self.seed = int(self.envs[0].single_action_space.n), seed
         self.episode_return = np.zeros(num_envs, dtype=np.float64)
         self.episode_length = np.zeros(num_envs, dtype=np.int64)
         self.frame_number = np.zeros(num_envs, dtype=np.int64)
@@ -117,8 +122,8 @@ class ThreadedAtariEnvs:
             self.results[b] = self.envs[b].recv()
 
     def recv(self, b: int, rewards_out: np.ndarray, dones_out: np.ndarray):
-        """Wait for batch b and write its clipped rewards and learner terminals in place;
-        returns (frames uint8 [batch, 84, 84], indices in the batch whose game ended)."""
+        """Wait for batch b and write the learner's rewards and terminals in place; returns (frames
+        uint8 [batch, 84, 84], indices in the batch whose game ended)."""
         if self.serial:
             obs, reward, terminated, truncated, info = self.results[b]
         else:
@@ -127,18 +132,16 @@ class ThreadedAtariEnvs:
         self.steps[b] += 1
         self.episode_return[sl] += reward
         self.episode_length[sl] += 1
-        np.clip(reward, -1, 1, out=rewards_out, casting="unsafe")
+        np.clip(reward, -self.reward_bound, self.reward_bound, out=rewards_out, casting="unsafe")
         # a real game over restarts the episode frame counter; a lost life does not
         new_frame_number = info["episode_frame_number"]
         game_over = truncated | (terminated & (new_frame_number < self.frame_number[sl]))
         self.frame_number[sl] = new_frame_number
         np.logical_or(terminated if self.life_loss_terminal else game_over, truncated, out=dones_out, casting="unsafe")
         ended = np.flatnonzero(game_over)
-        for i in ended:
-            j = sl.start + i
+        for j in sl.start + ended:
             self.finished.append((j, float(self.episode_return[j]), int(self.episode_length[j]), int(self.steps[b])))
-            self.episode_return[j] = 0
-            self.episode_length[j] = 0
+        self.episode_return[sl.start + ended] = self.episode_length[sl.start + ended] = 0
         return obs[:, 0], ended
 
     def pop_finished(self):
@@ -158,11 +161,6 @@ def split_threads(num_threads, num_batches, batch_size) -> list[int]:
     """Batch b gets q + (b < r) threads, q, r = divmod(num_threads, num_batches); 1 to batch_size."""
     q, r = divmod(num_threads, num_batches)
     return [max(1, min(q + (b < r), batch_size)) for b in range(num_batches)]
-
-
-def threads_text(threads_per_batch) -> str:
-    """'15 env threads (2,2,2,2,2,2,2,1 per batch)'."""
-    return f"{sum(threads_per_batch)} env threads ({','.join(map(str, threads_per_batch))} per batch)"
 
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "quota period", or "max period"
@@ -204,13 +202,10 @@ def env_threads(requested, device, num_batches, batch_size, local_rank=0, local_
 
 # ----------------------------------------------------------------------------- GPU batching
 # Each env batch has its own stream, pinned host buffers and events, used by the rules in
-# docs/rollout.md ("Streams and events"). On CPU the stream and event helpers are no-ops.
+# docs/rollout.md ("Streams and events"). On CPU a stream is None (torch.cuda.stream(None) does
+# nothing) and an event records and waits for nothing.
 def new_stream(device: torch.device):
     return torch.cuda.Stream(device) if device.type == "cuda" else None
-
-
-def on_stream(stream):
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def fork_streams(streams):
@@ -228,18 +223,10 @@ def join_streams(streams):
 
 
 def new_event(device: torch.device):
-    """An event the host waits on by sleeping, not by spinning a core the env threads need."""
-    return torch.cuda.Event(blocking=True) if device.type == "cuda" else None
-
-
-def record(event, stream=None):
-    if event is not None:
-        event.record(stream)
-
-
-def wait(event):
-    if event is not None:
-        event.synchronize()
+    """An event the host waits on by sleeping, not by spinning a core the env threads need (CPU: a no-op)."""
+    if device.type == "cuda":
+        return torch.cuda.Event(blocking=True)
+    return SimpleNamespace(record=lambda stream=None: None, synchronize=lambda: None)
 
 
 def host_buffer(shape, dtype, device: torch.device) -> torch.Tensor:
@@ -252,20 +239,16 @@ def warm_up(step, num_steps, num_batches, streams):
     or capture: Triton compiles at a first launch (not thread-safe), cuDNN picks algorithms."""
     fork_streams(streams)  # the buffers, storage and weights were made on the default stream
     for b, stream in enumerate(streams):
-        with on_stream(stream):
+        with torch.cuda.stream(stream):
             for t in range(num_steps):
                 step(t, b)
     torch.cuda.synchronize()
 
 
 def capture_graphs(step, num_steps, num_batches, streams):
-    """A CUDA graph of step(t, b) for every step and batch (step touches fixed addresses, so a
-    replay is a run); returns replay(t, b). A batch's graphs share a memory pool: they replay
-    one after another on its stream. Captured after a warm_up, each batch on its own stream:
-    cuBLAS keys its workspace by (handle, stream), so graphs captured on one stream would share
-    one workspace while different batches replay at once. Each batch captures with the workspaces
-    cleared, so that its own is made inside its pool, which keeps it whatever later clears them
-    (Inductor does under --compile); docs/rollout.md, "CUDA graphs"."""
+    """A CUDA graph of step(t, b) for every step and batch, after a warm_up; returns replay(t, b).
+    Each batch captures on its own stream into one memory pool, with cuBLAS's workspaces cleared
+    first so that its own is made in that pool (docs/rollout.md, "CUDA graphs")."""
     graphs = [[None] * num_batches for _ in range(num_steps)]
     torch.cuda.synchronize()
     for b in range(num_batches):
@@ -283,30 +266,17 @@ def capture_graphs(step, num_steps, num_batches, streams):
 
 
 def drive(rollouts, mode, pool=None):
-    """Run every batch's rollout generator to its end; returns what each returned. "single": one
-    thread resumes them in turn (each yields where it waits); "threads": one worker thread each
-    from `pool`; "sequential": one after another."""
+    """Run every batch's rollout generator to its end. "single": one thread resumes them in turn (each
+    yields where it waits); "threads": one worker thread each from `pool`; "sequential": one after another."""
+    run_through = functools.partial(deque, maxlen=0)
     if mode == "threads":
-        return list(pool.map(run_through, rollouts))
-    if mode == "sequential":
-        return [run_through(rollout) for rollout in rollouts]
-    results, live = [None] * len(rollouts), list(enumerate(rollouts))
-    while live:
-        for item in list(live):
-            try:
-                next(item[1])
-            except StopIteration as done:
-                results[item[0]] = done.value
-                live.remove(item)
-    return results
-
-
-def run_through(generator):
-    while True:
-        try:
-            next(generator)
-        except StopIteration as done:
-            return done.value
+        list(pool.map(run_through, rollouts))
+    elif mode == "sequential":
+        for rollout in rollouts:
+            run_through(rollout)
+    else:
+        while rollouts:  # each next() runs a batch to its next wait
+            rollouts = [rollout for rollout in rollouts if next(rollout, StopIteration) is not StopIteration]
 
 
 class BatchedRollout:
@@ -315,13 +285,11 @@ class BatchedRollout:
     writing straight into the script's storage (passed by keyword, shapes in the script).
     policy: kernels.rollout_policy's; driver: see drive; cuda_graphs: replay each batch-step."""
 
-    def __init__(
-        self, envs, policy, *, obs, actions, logprobs, values, rewards, dones, driver, cuda_graphs, profiler=None
-    ):
+    def __init__(self, envs, policy, *, obs, actions, logprobs, values, rewards, dones, driver, cuda_graphs, profiler):
         import kernels  # here, not at the top: the baseline imports utils and needs no Triton
 
         self.kernels, self.policy = kernels, policy
-        self.envs, self.driver, self.profiler = envs, driver, profiler or Profiler(False)
+        self.envs, self.driver, self.profiler = envs, driver, profiler
         self.rewards, self.dones = rewards, dones
         self.device, (T, N) = obs.device, rewards.shape
         self.T, self.obs, self.slices, num_batches = T, obs, envs.slices, len(envs.slices)
@@ -366,12 +334,12 @@ class BatchedRollout:
         rollout moves to step 0."""
         kernels = self.kernels
         for b, frames in enumerate(np.split(self.envs.reset(), len(self.slices))):
-            with on_stream(self.streams[b]):
+            with torch.cuda.stream(self.streams[b]):
                 kernels.stage_frames(self.staging_np[b], frames, ended=slice(None))
                 self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
                 prev, out = self.obs[self.T - 1, self.slices[b]], self.obs[self.T, self.slices[b]]
                 kernels.push_frames(prev, self.buffers[b].staged, out, self.buffers[b].x)
-                record(self.step_done[b], self.streams[b])  # staging[b] is written again after it
+                self.step_done[b].record(self.streams[b])  # staging[b] is written again after it
         join_streams(self.streams)
         self.dones_np[self.T] = 0
 
@@ -382,42 +350,43 @@ class BatchedRollout:
         if self.device.type == "cpu":
             torch.set_num_threads(1)  # idle OpenMP threads would spin on the env threads' cores
         torch.rand(self.uniforms.shape, out=self.uniforms, device=self.device)
-        wait(self.copied)  # the last copies of the host buffers are done
+        self.copied.synchronize()  # the last copies of the host buffers are done
         self.dones_np[0] = self.dones_np[self.T]
         fork_streams(self.streams)
-        rollouts = [self.rollout_batch(b, should_stop) for b in range(len(self.slices))]
-        completed = drive(rollouts, self.driver, self.pool)
+        self.stopped = False
+        drive([self.rollout_batch(b, should_stop) for b in range(len(self.slices))], self.driver, self.pool)
         join_streams(self.streams)
         if self.device.type == "cpu":
             torch.set_num_threads(self.training_threads)
-        if min(completed) <= self.T:
+        if self.stopped:
             return False
         self.rewards.copy_(self.rewards_host, non_blocking=True)
         self.dones.copy_(self.dones_host, non_blocking=True)
-        record(self.copied)
+        self.copied.record()
         return True
 
     def launch(self, t, b, frames=None, ended=()):
         """Queue batch b's step t on its stream: new frames in, the policy, actions out, the event."""
         kernels = self.kernels
-        with on_stream(self.streams[b]), self.profiler("launch"):
+        with torch.cuda.stream(self.streams[b]), self.profiler("launch"):
             if frames is not None:
                 kernels.stage_frames(self.staging_np[b], frames, ended)
                 self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
             with self.profiler.gpu(self.streams[b]):
                 self.step(t, b)
             self.actions_host[b].copy_(self.step_views[t][b][3], non_blocking=True)
-            record(self.step_done[b], self.streams[b])
+            self.step_done[b].record(self.streams[b])
 
     def rollout_batch(self, b, should_stop):
         """Env batch b through the horizon, as a generator that pauses (yield) while its policy
-        runs and while its envs step; returns the steps done (fewer after a stop)."""
+        runs and while its envs step; a stop sets self.stopped and ends it."""
         sl = self.slices[b]
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is per thread
         for step in range(self.T + 1):
             if should_stop():
-                return step
+                self.stopped = True
+                return
             if step == 0:
                 self.launch(0, b)
             else:
@@ -426,11 +395,10 @@ class BatchedRollout:
                 self.launch(step, b, frames, ended)
             yield
             with self.profiler("GPU wait"):
-                wait(self.step_done[b])
+                self.step_done[b].synchronize()
             if step < self.T:  # the step after the horizon only gives the bootstrap value
                 self.envs.send(b, self.actions_host_np[b])
                 yield
-        return self.T + 1
 
     def close(self):
         if self.pool is not None:
@@ -439,8 +407,6 @@ class BatchedRollout:
 
 def resolve_driver(driver: str, device: torch.device, num_batches: int) -> str:
     """auto: one driver thread on CUDA, a worker thread per batch elsewhere; one batch: sequential."""
-    if driver not in ("auto", "single", "threads", "sequential"):
-        raise UsageError(f"--driver {driver!r}: expected auto, single, threads or sequential")
     if num_batches == 1:
         return "sequential"
     if driver == "auto":
@@ -450,8 +416,6 @@ def resolve_driver(driver: str, device: torch.device, num_batches: int) -> str:
 
 def resolve_precision(precision: str, device: torch.device) -> str:
     """auto: bf16 where the hardware has it (CUDA sm_80+, CPUs with AVX-512 BF16 or AMX), else fp32."""
-    if precision not in ("auto", "fp32", "bf16"):
-        raise UsageError(f"--precision {precision!r}: expected auto, fp32 or bf16")
     if device.type == "cuda":
         has_bf16 = torch.cuda.get_device_capability(device) >= (8, 0)
         if precision == "bf16" and not has_bf16:
@@ -491,22 +455,19 @@ def fail(message: str, code: int = 2):
     sys.exit(code)
 
 
-_GAMES = None
 DEFAULT_ENV_ID = "Breakout-v5"
 
 
+@functools.cache
 def atari_games() -> dict:
     """ale-py's v5 games: 'mspacman' -> ('MsPacman', ROM id 'ms_pacman')."""
-    global _GAMES
-    if _GAMES is None:
-        import ale_py
-        from ale_py import roms
+    import ale_py
+    from ale_py import roms
 
-        gym.register_envs(ale_py)
-        names = [key[4:-3] for key in gym.envs.registry if key.startswith("ALE/") and key.endswith("-v5")]
-        rom_ids = {rom.replace("_", ""): rom for rom in roms.get_all_rom_ids()}
-        _GAMES = {name.lower(): (name, rom_ids[name.lower()]) for name in names if name.lower() in rom_ids}
-    return _GAMES
+    gym.register_envs(ale_py)
+    names = [key[4:-3] for key in gym.envs.registry if key.startswith("ALE/") and key.endswith("-v5")]
+    rom_ids = {rom.replace("_", ""): rom for rom in roms.get_all_rom_ids()}
+    return {name.lower(): (name, rom_ids[name.lower()]) for name in names if name.lower() in rom_ids}
 
 
 def canonical_env_id(env_id: str) -> str:
@@ -532,14 +493,14 @@ def rom_id(env_id: str) -> str:
     return atari_games()[game_name(env_id).lower()][1]
 
 
-def num_actions(env_id: str) -> int:
-    """The size of the game's minimal action set (what the envs use), read from the ROM."""
+def num_actions(env_id: str, full_action_space: bool) -> int:
+    """The size of the action set the envs use: every joystick action, or the game's minimal set."""
     from ale_py import ALEInterface, LoggerMode, roms
 
     ALEInterface.setLoggerMode(LoggerMode.Error)
     ale = ALEInterface()
     ale.loadROM(roms.get_rom_path(rom_id(env_id)))
-    return len(ale.getMinimalActionSet())
+    return len(ale.getLegalActionSet() if full_action_space else ale.getMinimalActionSet())
 
 
 def cli(args_class):
@@ -592,34 +553,27 @@ def resolve_device(spec: str) -> torch.device:
 
 
 # every numeric flag's valid range (its --help says it too): flag -> (what it must be, test)
+AT_LEAST_0, AT_LEAST_1 = ("at least 0", lambda v: v >= 0), ("at least 1", lambda v: v >= 1)
+POSITIVE = ("finite and > 0", lambda v: math.isfinite(v) and v > 0)
+NON_NEGATIVE = ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0)
 RANGES = {
     "seed": ("an integer in [0, 2**32 - 1]", lambda v: 0 <= v < 2**32),
-    "total_timesteps": ("at least 1", lambda v: v >= 1),
-    "num_envs": ("at least 1", lambda v: v >= 1),
-    "num_steps": ("at least 1", lambda v: v >= 1),
-    "num_minibatches": ("at least 1", lambda v: v >= 1),
-    "update_epochs": ("at least 0", lambda v: v >= 0),
-    "num_gpu_batches": ("at least 1", lambda v: v >= 1),
+    **dict.fromkeys(["total_timesteps", "num_envs", "num_steps", "num_minibatches", "num_gpu_batches", "save_interval",
+                     "log_interval", "eval_episodes", "frame_skip", "max_episode_frames"], AT_LEAST_1),
+    **dict.fromkeys(["update_epochs", "noop_max"], AT_LEAST_0),
     "num_env_threads": ("at least 1 (or unset)", lambda v: v is None or v >= 1),
-    "save_interval": ("at least 1", lambda v: v >= 1),
-    "log_interval": ("at least 1", lambda v: v >= 1),
-    "eval_episodes": ("at least 1", lambda v: v >= 1),
-    "learning_rate": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
-    "gamma": ("in [0, 1]", lambda v: 0 <= v <= 1),
-    "gae_lambda": ("in [0, 1]", lambda v: 0 <= v <= 1),
-    "clip_coef": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
-    "ent_coef": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
-    "vf_coef": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
-    "max_grad_norm": ("finite and > 0", lambda v: math.isfinite(v) and v > 0),
+    **dict.fromkeys(["learning_rate", "clip_coef", "max_grad_norm"], POSITIVE),
+    **dict.fromkeys(["ent_coef", "vf_coef", "rms_eps"], NON_NEGATIVE),
+    **dict.fromkeys(["gamma", "gae_lambda", "repeat_action_probability"], ("in [0, 1]", lambda v: 0 <= v <= 1)),
     "target_kl": ("finite and > 0 (or unset)", lambda v: v is None or (math.isfinite(v) and v > 0)),
     "rms_alpha": ("in [0, 1)", lambda v: 0 <= v < 1),
-    "rms_eps": ("finite and >= 0", lambda v: math.isfinite(v) and v >= 0),
-}
+}  # fmt: skip
 
 
 def check_args(args):
-    """What every script checks of its flags before anything starts: numeric ranges, the game
-    (its canonical name from here on), the experiment name, the runs directory, --capture-video."""
+    """What every script checks of its flags before anything starts: numeric ranges, the game (its
+    canonical name from here on), the experiment name, the runs directory (a directory, or under a
+    writable one), --capture-video."""
     for name, value in vars(args).items():
         if name in RANGES and not RANGES[name][1](value):
             raise UsageError(f"--{name.replace('_', '-')} must be {RANGES[name][0]}, got {value}")
@@ -629,36 +583,20 @@ def check_args(args):
         args.env_id = canonical_env_id(args.env_id)
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*", args.exp_name) or ".." in args.exp_name:
         raise UsageError(f"--exp-name {args.exp_name!r}: a name (letters, digits, _ . + = -), not a path")
-    check_runs_dir(args.runs_dir)
-    check_capture_video(args.capture_video, args.eval_checkpoint)
-
-
-def check_runs_dir(runs_dir):
-    """--runs-dir is a directory, or its nearest existing ancestor is a writable one."""
-    path = Path(runs_dir).absolute()
+    path = Path(args.runs_dir).absolute()
     existing = next(p for p in [path, *path.parents] if p.exists())
-    if not existing.is_dir():
-        raise UsageError(f"--runs-dir {str(runs_dir)!r}: {str(existing)!r} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UsageError(f"--runs-dir {str(runs_dir)!r}: {str(existing)!r} is not writable")
-
-
-def check_capture_video(capture_video: bool, eval_checkpoint):
-    if not capture_video:
-        return
-    if eval_checkpoint is None:
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is not a directory" if not existing.is_dir() else "is not writable"
+        raise UsageError(f"--runs-dir {str(args.runs_dir)!r}: {str(existing)!r} {why}")
+    if args.capture_video and args.eval_checkpoint is None:
         raise UsageError("--capture-video records evaluation games: use it with --eval-checkpoint")
     import importlib.util
 
-    if importlib.util.find_spec("moviepy") is None:
+    if args.capture_video and importlib.util.find_spec("moviepy") is None:
         raise UsageError("--capture-video needs moviepy: pip install moviepy")
 
 
 # ----------------------------------------------------------------------------- torchrun
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def torchrun_device(device: torch.device) -> torch.device:
     """Under torchrun on CUDA, cuda:LOCAL_RANK (one GPU per process); else the CPU."""
     if device.type != "cuda":
@@ -699,9 +637,8 @@ def all_reduce_gradients(parameters, world_size):
 
 
 def agree(stop, nonfinite, logprob_gap):
-    """Under torchrun, every rank stops, diverges or fails the guard when any rank does: sets `stop`
-    where another rank was signalled; returns whether any rank's `nonfinite` was set, and the
-    largest `logprob_gap` (device tensors)."""
+    """Under torchrun every rank stops, diverges or fails the guard when any rank does: sets `stop` where
+    another rank was signalled; returns whether any rank's `nonfinite` was set and the largest `logprob_gap`."""
     import torch.distributed as dist
 
     device = logprob_gap.device
@@ -726,19 +663,9 @@ def finish_distributed(agent, rank: int, world_size: int):
 
 
 # ----------------------------------------------------------------------------- runs and logs
-class NoWriter:
-    """What ranks other than 0 log to: nothing."""
-
-    def add_scalar(self, *args, **kwargs):
-        pass
-
-    add_text = close = add_scalar
-
-
 def start_run(args, checkpoint, rank=0, distributed=False):
-    """Log setup: (run directory, TensorBoard writer, stop signal, start iteration, global step).
-    A resumed run continues in its own directory; a new one gets a directory no other run
-    writes to. Under torchrun only rank 0 logs, and every rank names rank 0's directory."""
+    """Log setup: (run directory, TensorBoard writer, stop signal, start iteration, global step). A resumed
+    run continues in its directory, a new one gets its own; under torchrun only rank 0 logs, to rank 0's."""
     from torch.utils.tensorboard import SummaryWriter
 
     if checkpoint is not None:
@@ -753,7 +680,8 @@ def start_run(args, checkpoint, rank=0, distributed=False):
             names = [run_dir.name if rank == 0 else None]
             dist.broadcast_object_list(names, src=0)
             run_dir = Path(args.runs_dir) / names[0]
-    writer = NoWriter()
+    nothing = lambda *args, **kwargs: None
+    writer = SimpleNamespace(add_scalar=nothing, add_text=nothing, close=nothing)  # what other ranks log to
     if rank == 0:
         # purge_step drops the events a crashed run wrote after its last checkpoint
         writer = SummaryWriter(str(run_dir), purge_step=global_step + 1 if checkpoint else None)
@@ -780,24 +708,27 @@ def make_run_dir(args) -> Path:
 
 
 def describe_run(args, device: torch.device, envs: str, precision: str = "fp32", world_size: int = 1) -> str:
-    """The first line of every run: where it runs and what it will do."""
+    """The first line of every run: where it runs and what it will do, on which game and action set."""
     if device.type == "cuda":
         where = f"{torch.cuda.get_device_name(device)} ({device})"
     else:
         where = "cpu (no CUDA found)" if not torch.cuda.is_available() else "cpu"
+    actions = f"{num_actions(args.env_id, args.full_action_space)} actions"
+    game = f"{args.env_id} ({actions}{', full set' if args.full_action_space else ''})"
     if args.eval_checkpoint is not None:
-        what = f"evaluating {args.eval_checkpoint} on {args.env_id} for {args.eval_episodes} games"
+        what = f"evaluating {args.eval_checkpoint} on {game} for {args.eval_episodes} games"
     else:
         batch = args.batch_size * world_size
         steps = args.num_iterations * batch
         iterations = f"{args.num_iterations:,} iteration{'s' if args.num_iterations != 1 else ''}"
-        what = f"{args.env_id}, {iterations} of {batch:,} steps = {steps:,} agent steps"
+        what = f"{game}, {iterations} of {batch:,} steps = {steps:,} agent steps"
     return f"{where}, {precision}, {envs}; {what}"
 
 
 def rollout_text(args, threads_per_batch, first_core, driver, graphs, policy) -> str:
     """The first line's account of a native rollout: envs, threads, driver, graphs, policy step."""
-    text = f"{args.num_envs} envs x {args.num_gpu_batches} batches, {threads_text(threads_per_batch)}"
+    threads = f"{sum(threads_per_batch)} env threads ({','.join(map(str, threads_per_batch))} per batch)"
+    text = f"{args.num_envs} envs x {args.num_gpu_batches} batches, {threads}"
     text += " pinned" if first_core is not None else ""
     text += f", driver {driver}, CUDA graphs {'on' if graphs else 'off'}, policy {policy.name}"
     return text + (f" ({policy.reason})" if policy.reason else "")
@@ -807,9 +738,7 @@ class Progress:
     """One line per iteration, from host-side numbers only (no GPU sync)."""
 
     def __init__(self, total_steps: int, start_step: int):
-        self.total_steps = total_steps
-        self.start_step = start_step
-        self.start_time = time.time()
+        self.total_steps, self.start_step, self.start_time = total_steps, start_step, time.time()
         self.recent_returns = deque(maxlen=20)
         self.rollout_time = 0.0  # seconds spent collecting, added up by the scripts
         self.compiled = None  # --compile: the CompiledStep, whose time the first line reports
@@ -835,13 +764,10 @@ class Progress:
 
 # ----------------------------------------------------------------------------- --compile
 class CompiledStep:
-    """--compile: `step` (the update's optimizer step: loss, backward, clip, optimizer) under
-    torch.compile, on CUDA replayed from CUDA graphs (mode="reduce-overhead"); docs/update.md.
-    It compiles at its first call, whose time it keeps (`seconds`, for the first progress line).
-    Where that call raises compiled and not eagerly (a Dynamo or Inductor error, e.g. on an
-    edited network), the optimizers' weights and state are put back as they were before it (its
-    graphs run as they compile: the optimizer's may have stepped) and it runs again eagerly, as
-    does every later call: one line on stderr says why. A later call's error raises."""
+    """--compile: `step` (loss, backward, clip, optimizer step) under torch.compile, replayed from CUDA
+    graphs on CUDA, its first call timed. Where that first call fails compiled, the optimizers' weights
+    and state are put back (its graphs ran as they compiled) and it and every later call run eagerly
+    after one line on stderr; a later call's error raises (docs/update.md)."""
 
     def __init__(self, step, device: torch.device, backend="inductor"):
         global all_reduce_gradients  # here, not at import: torch._dynamo takes seconds to import
@@ -895,10 +821,8 @@ class CompiledStep:
 
 
 def optimizer_options(device: torch.device, compile: bool, has_fused=True) -> dict:
-    """A torch optimizer's implementation (Adam's, RMSprop's): eager, the fused kernel on CUDA where
-    there is one; --compile (a tensor rate, which a foreach optimizer reads only when capturable):
-    capturable foreach on CUDA, which Inductor fuses and CUDA graphs replay (its step count on the
-    device), single-tensor on the CPU. Every key is set, so that a resume can impose them."""
+    """A torch optimizer's implementation: eager, fused on CUDA where there is one; --compile, capturable
+    foreach on CUDA, single-tensor on the CPU (docs/update.md). Every key is set: a resume imposes them."""
     cuda = device.type == "cuda"
     if not compile:
         return dict(foreach=None, capturable=False) | (dict(fused=cuda or None) if has_fused else {})
@@ -906,16 +830,14 @@ def optimizer_options(device: torch.device, compile: bool, has_fused=True) -> di
 
 
 def load_optimizer(optimizer, saved: dict, hyper: dict):
-    """Restore a checkpoint's optimizer state under this run's `hyper` (rate, implementation), not
-    the saved ones, so that eager and --compile can resume each other's checkpoints: set before
-    loading too, which puts the step counts where this implementation keeps them."""
+    """Restore a checkpoint's optimizer state under this run's `hyper` (rate, implementation), set before
+    loading too, so that eager and --compile resume each other's checkpoints."""
     optimizer.load_state_dict(saved | {"param_groups": [group | hyper for group in saved["param_groups"]]})
     optimizer.param_groups[0].update(hyper)  # the rate tensor itself, not the copy loading made
 
 
 def set_lr(optimizer, lr: float):
-    """The optimizer's rate, in place where it is a tensor (--compile: the compiled step reads the
-    tensor, so annealing it recompiles nothing)."""
+    """The optimizer's rate, in place where it is a tensor (--compile: annealing recompiles nothing)."""
     group = optimizer.param_groups[0]
     if isinstance(group["lr"], torch.Tensor):
         group["lr"].fill_(lr)
@@ -946,8 +868,8 @@ def save_checkpoint(path, state: dict):
 
 # what every checkpoint holds, and what a resumable one adds: key -> type (plain data only,
 # so that torch.load(weights_only=True) reads it without running code)
-CHECKPOINT_KEYS = {"script": str, "env_id": str, "num_actions": int, "model": dict}
-RESUME_KEYS = {"args": dict, "optimizer": dict, "iteration": int, "global_step": int, "rng": dict}
+CHECKPOINT_KEYS = {"script": str, "env_id": str, "num_actions": int, "model": dict, "args": dict}
+RESUME_KEYS = {"optimizer": dict, "iteration": int, "global_step": int, "rng": dict}
 
 
 def checkpoint_path(path) -> Path:
@@ -985,18 +907,16 @@ def load_checkpoint(path, script: str, env_id: str | None = None, make_agent=Non
         if not isinstance(state.get(key), kind) or (kind is int and isinstance(state[key], bool)):
             got = "missing" if key not in state else f"a {type(state[key]).__name__}"
             raise UsageError(f"checkpoint {name} is not a complete checkpoint of {script}: {key!r} is {got}")
-    agent = None
+    agent, game = None, game_name(state["env_id"])
     if make_agent is not None:
-        actions = num_actions(state["env_id"])
+        actions = num_actions(state["env_id"], state["args"].get("full_action_space") is True)
         if state["num_actions"] != actions:
-            game = game_name(state["env_id"])
             raise UsageError(f"checkpoint {name} has {state['num_actions']} actions, {game} has {actions}")
         agent = make_agent(actions)
         try:
             agent.load_state_dict(state["model"])
         except (RuntimeError, TypeError, ValueError, AttributeError) as e:
             first = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
-            game = game_name(state["env_id"])
             raise UsageError(f"checkpoint {name}: its weights do not fit the network for {game} ({first})")
     if resume:
         check_optimizer_state(state["optimizer"], list(agent.parameters()) if agent is not None else None, name)
@@ -1026,9 +946,13 @@ def check_optimizer_state(optimizer_state: dict, parameters, name):
                 raise UsageError(f"checkpoint {name}: its optimizer state is for another network")
 
 
-def check_resume_args(checkpoint: dict, args, names=("num_envs", "num_steps", "total_timesteps")):
-    """A resumed run keeps what maps iterations to steps and sets the LR schedule; a finished one cannot resume."""
-    saved = checkpoint.get("args", {})
+# what a resumed run keeps: what maps iterations to steps and sets the LR schedule, and the game
+RESUME_ARGS = ("num_envs", "num_steps", "total_timesteps", *GAME)
+
+
+def check_resume_args(checkpoint: dict, args, names=RESUME_ARGS):
+    """A resumed run keeps `names` as the checkpoint has them; a finished one cannot resume."""
+    saved = checkpoint["args"]
     for name in names:
         if name in saved and saved[name] != getattr(args, name):
             flag, value = f"--{name.replace('_', '-')}", getattr(args, name)
@@ -1036,6 +960,12 @@ def check_resume_args(checkpoint: dict, args, names=("num_envs", "num_steps", "t
     if checkpoint["iteration"] >= args.num_iterations:
         steps = checkpoint["global_step"]
         raise UsageError(f"checkpoint {str(args.resume)!r} ends a finished run ({steps:,} steps): nothing to resume")
+
+
+def play_checkpoint_game(args, checkpoint: dict):
+    """Evaluation plays the game a checkpoint was trained on: its game and settings go into args."""
+    args.env_id = canonical_env_id(checkpoint["env_id"])
+    vars(args).update({name: value for name, value in checkpoint["args"].items() if name in GAME})
 
 
 def rng_states(device: torch.device) -> dict:
@@ -1106,10 +1036,6 @@ def stopped_message(stop, global_step, checkpoint_path) -> str:
 LOGPROB_GAP_BOUND = {"fp32": 1e-3, "bf16": 2e-2}
 
 
-def all_finite(module: torch.nn.Module) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in module.parameters())
-
-
 @torch.no_grad()
 def nonfinite_policy(agent, obs) -> torch.Tensor:
     """A device bool, not synced: are any weights, or the policy's outputs on `obs`, non-finite?
@@ -1140,21 +1066,22 @@ def fail_diverged(what: str, iteration: int, checkpoint_path, *to_close):
     fail(f"{what} at iteration {iteration}; {last}", code=1)
 
 
-# ----------------------------------------------------------------------------- ALE v5 in gymnasium
-class AleV5GameStart(gym.Wrapper):
-    """ale-py's vector-env game start for a gymnasium ALE env made with frameskip=1: FIRE for
-    one frame where the game has it, then max(0, U{0..29} - 1) noop frames."""
+# ----------------------------------------------------------------------------- the game in gymnasium
+class AleGameStart(gym.Wrapper):
+    """ale-py's vector-env game start for a gymnasium ALE env made with frameskip=1: FIRE for one
+    frame where the action set has it (fire_reset), then max(0, U{0..noop_max-1} - 1) noop frames."""
 
-    def __init__(self, env, noop_max=ALE_V5["noop_max"]):
+    def __init__(self, env, noop_max, fire_reset):
         super().__init__(env)
-        self.noop_max = noop_max
-        self.fire = "FIRE" in env.unwrapped.get_action_meanings()
+        meanings = env.unwrapped.get_action_meanings()
+        self.fire = meanings.index("FIRE") if fire_reset and "FIRE" in meanings else None
+        self.noop_max = max(noop_max, 1)  # 0 draws no noop, as 1 does
 
     def reset(self, **kwargs):
         obs, info = self.env.reset(**kwargs)
-        if self.fire:
-            obs, _, _, _, info = self.env.step(1)
-        noops = int(self.env.unwrapped.np_random.integers(0, self.noop_max)) - self.fire
+        if self.fire is not None:
+            obs, _, _, _, info = self.env.step(self.fire)
+        noops = int(self.env.unwrapped.np_random.integers(0, self.noop_max)) - (self.fire is not None)
         for _ in range(noops):
             obs, _, terminated, truncated, info = self.env.step(0)
             if terminated or truncated:
@@ -1163,24 +1090,19 @@ class AleV5GameStart(gym.Wrapper):
 
 
 class LifeLossTerminal(gym.Wrapper):
-    """A lost life is terminal for the learner while the game goes on, as ale-py's life_loss_info
-    does: the vector env's reset() after a lost life returns the last observation and takes no
-    step, so stacks and episode statistics run over the full game. A reset with a seed or
-    options always restarts the game."""
+    """A lost life is terminal for the learner while the game goes on, as with ale-py's life_loss_info:
+    a reset after one returns the last observation and takes no step; one with a seed or options restarts."""
 
     def __init__(self, env):
         super().__init__(env)
-        self.lives = 0
-        self.game_over = True
-        self.last = None
+        self.lives, self.game_over, self.last = 0, True, None
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
         self.game_over = terminated or truncated
         lives = self.env.unwrapped.ale.lives()
         terminated = terminated or 0 < lives < self.lives
-        self.lives = lives
-        self.last = obs, info
+        self.lives, self.last = lives, (obs, info)
         return obs, reward, terminated, truncated, info
 
     def reset(self, *, seed=None, options=None):
@@ -1192,10 +1114,10 @@ class LifeLossTerminal(gym.Wrapper):
         return obs, info
 
 
-def make_env(env_id, seed, life_loss_terminal, video_dir=None):
-    """A thunk that makes one gymnasium env playing ale-py's v5 game (the baseline's envs; with
-    video_dir, evaluation's recorded games): the game start, 4 frames a step max-pooled, 84x84
-    grayscale stacks of 4, full-game statistics in info["episode"], clipped rewards."""
+def make_env(env_id, seed, game, video_dir=None):
+    """A thunk that makes one gymnasium env playing `game` as ThreadedAtariEnvs does (the baseline's envs;
+    with video_dir, evaluation's recorded games): 84x84 grayscale stacks of 4, full-game statistics in
+    info["episode"]."""
 
     def thunk():
         import multiprocessing
@@ -1205,21 +1127,22 @@ def make_env(env_id, seed, life_loss_terminal, video_dir=None):
         if multiprocessing.parent_process() is not None:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a worker: Ctrl-C is for the main process
         gym.register_envs(ale_py)
-        render_mode = None if video_dir is None else "rgb_array"
         # frameskip=1 here: AtariPreprocessing skips the frames, max-pooling the last two
-        sticky = ALE_V5["repeat_action_probability"]
         env = gym.make(
-            f"ALE/{game_name(env_id)}-v5", frameskip=1, repeat_action_probability=sticky, render_mode=render_mode
-        )
+            f"ALE/{game_name(env_id)}-v5", frameskip=1, repeat_action_probability=game["repeat_action_probability"],
+            full_action_space=game["full_action_space"], max_num_frames_per_episode=game["max_episode_frames"],
+            render_mode=None if video_dir is None else "rgb_array",
+        )  # fmt: skip
         if video_dir is not None:
             env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda e: True)
-        env = AleV5GameStart(env)
-        env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=ALE_V5["frameskip"], screen_size=84)
+        env = AleGameStart(env, game["noop_max"], game["fire_reset"])
+        env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=game["frame_skip"], screen_size=84)
         env = gym.wrappers.RecordEpisodeStatistics(env)  # full games, unclipped, agent steps
         env = gym.wrappers.FrameStackObservation(env, STACK, padding_type="zero")
-        if life_loss_terminal:
+        if game["life_loss_terminal"]:
             env = LifeLossTerminal(env)
-        env = gym.wrappers.ClipReward(env, -1, 1)  # the learner sees clipped rewards
+        if game["clip_rewards"]:
+            env = gym.wrappers.ClipReward(env, -1, 1)
         env.action_space.seed(seed)
         return env
 
@@ -1233,7 +1156,8 @@ def evaluate_checkpoint(make_agent, evaluated, args, device):
     agent.load_state_dict(evaluated["model"])
     act = lambda obs: agent.get_action_and_value(obs)[0]  # noqa: E731
     video_dir = Path(args.eval_checkpoint).parent / "videos"
-    returns = evaluate(args.env_id, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir)
+    game = game_settings(args)
+    returns = evaluate(args.env_id, game, act, args.eval_episodes, args.seed, device, args.capture_video, video_dir)
     mean, std = float(np.mean(returns)), float(np.std(returns))
     hns = human_normalized(game_name(args.env_id), mean)
     hns_text = f"{hns:.3f}" if hns is not None else "n/a (no human score for this game)"
@@ -1252,41 +1176,36 @@ def human_normalized(game: str, score: float) -> float | None:
     return None
 
 
-def evaluate(env_id, act, episodes, seed, device, capture_video=False, video_dir=None):
-    """The full-game, unclipped returns of `episodes` games played by act(uint8 [n, 4, 84, 84]) -> [n]."""
+def evaluate(env_id, game, act, episodes, seed, device, capture_video=False, video_dir=None):
+    """The full-game, unclipped returns of `episodes` games of `game`, played by act(uint8 [n, 4, 84,
+    84]) -> [n] on up to 16 envs (env i seeded seed + i), each counting its first games, its share."""
     if capture_video:
-        return evaluate_with_video(env_id, act, episodes, seed, device, video_dir)
-    from ale_py.vector_env import AtariVectorEnv
-
-    num_envs = min(episodes, 8)
-    envs = AtariVectorEnv(
-        rom_id(env_id), num_envs, **ALE_V5, stack_num=STACK, num_threads=min(num_envs, os.cpu_count())
-    )
-    obs, info = seeded_reset(envs, seed)
-    returns, current = [], np.zeros(num_envs)
-    started = np.zeros(num_envs, dtype=np.int64) + 1  # how many games each env has begun
-    quota = np.array([episodes // num_envs + (i < episodes % num_envs) for i in range(num_envs)])
-    frame_number = info["episode_frame_number"].copy()
+        return evaluate_with_video(env_id, game, act, episodes, seed, device, video_dir)
+    n = min(episodes, 16)
+    share = [episodes // n + (i < episodes % n) for i in range(n)]
+    envs = ThreadedAtariEnvs(env_id, n, 1, min(n, os.cpu_count()), seed, game)
+    obs = np.zeros((n, STACK, *FRAME_SHAPE), dtype=np.uint8)
+    obs[:, -1] = envs.reset()
+    rewards, dones, returns = np.zeros(n, np.float32), np.zeros(n, np.float32), []
     while len(returns) < episodes:
         with torch.no_grad():
-            actions = act(torch.from_numpy(obs).to(device)).cpu().numpy()
-        obs, reward, terminated, truncated, info = envs.step(actions)
-        current += reward
-        game_over = truncated | (terminated & (info["episode_frame_number"] < frame_number))
-        frame_number = info["episode_frame_number"].copy()
-        for i in np.flatnonzero(game_over):
-            if started[i] <= quota[i]:  # games begun beyond the quota are not counted
-                returns.append(float(current[i]))
-            started[i] += 1
-            current[i] = 0
+            envs.send(0, act(torch.from_numpy(obs).to(device)).cpu().numpy())
+        frames, ended = envs.recv(0, rewards, dones)
+        obs[:, :-1] = obs[:, 1:]
+        obs[ended, :-1] = 0  # a new game's older frames are zero
+        obs[:, -1] = frames
+        for i, episodic_return, *_ in envs.pop_finished():
+            if share[i] > 0:  # games an env begins beyond its share are not counted
+                share[i] -= 1
+                returns.append(episodic_return)
     envs.close()
     return returns
 
 
-def evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
+def evaluate_with_video(env_id, game, act, episodes, seed, device, video_dir):
     """evaluate, one game at a time through the gymnasium pipeline, which can render and record
     (with moviepy, which check_args has checked for)."""
-    env = make_env(env_id, seed, life_loss_terminal=False, video_dir=video_dir)()
+    env = make_env(env_id, seed, game | dict(life_loss_terminal=False), video_dir=video_dir)()
     returns = []
     for episode in range(episodes):
         obs, _ = env.reset(seed=seed + episode)
@@ -1303,29 +1222,20 @@ def evaluate_with_video(env_id, act, episodes, seed, device, video_dir):
 
 # ----------------------------------------------------------------------------- profiling
 class Profiler:
-    """--profile: a table of time per phase over iterations 2-4 (the first only where it is the
-    last), and a torch.profiler trace of them (trace.json, for Perfetto): the first warms up (CUDA
-    graph capture, first launches, --compile's compile), so its times would swamp the rest. Free
-    when off; never syncs the device: host phases are perf_counter spans, a batch-step's GPU
-    time comes from events on its stream."""
+    """--profile: a table of time per phase over iterations 2-4 (the first only where it is the last)
+    and a torch.profiler trace of them (trace.json, for Perfetto); docs/rollout.md, "Profiling". Free
+    when off, never syncs the device: a batch-step's GPU time comes from events on its stream."""
 
-    def __init__(self, enabled: bool, run_dir=None, device=torch.device("cpu"), iterations=4):
+    def __init__(self, enabled: bool, run_dir=None, device=torch.device("cpu")):
         self.enabled, self.cuda = enabled, enabled and device.type == "cuda"
         self.totals, self.pending, self.lock = {}, [], threading.Lock()
-        self.iterations, self.done, self.null = iterations, 0, contextlib.nullcontext()
+        self.done, self.null = 0, contextlib.nullcontext()
         self.wall_start = None  # the end of the first iteration
         if enabled:
             activities = [torch.profiler.ProfilerActivity.CPU]
-            activities += [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+            activities += [torch.profiler.ProfilerActivity.CUDA] if self.cuda else []
             self.trace = str(Path(run_dir) / "trace.json")
-            schedule = torch.profiler.schedule(wait=0, warmup=0, active=iterations - 1, repeat=1)
-            self.torch_profiler = torch.profiler.profile(
-                activities=activities, schedule=schedule, on_trace_ready=self.save_trace
-            )
-
-    def save_trace(self, torch_profiler):
-        torch_profiler.export_chrome_trace(self.trace)
-        print(f"profiler trace: {self.trace} (open in https://ui.perfetto.dev)", flush=True)
+            self.torch_profiler = torch.profiler.profile(activities=activities)
 
     def __call__(self, name):
         """Around a host phase: its wall time, added to `name`."""
@@ -1368,11 +1278,11 @@ class Profiler:
             self.wall_start = time.perf_counter()
         if self.done == 1:
             self.torch_profiler.start()  # after the first iteration, and after any CUDA graph capture
-        else:
-            self.torch_profiler.step()
-        if self.done == self.iterations or last:
+        if self.done == 4 or last:
             self.torch_profiler.stop()
+            self.torch_profiler.export_chrome_trace(self.trace)
             self.enabled = self.cuda = False
+            print(f"profiler trace: {self.trace} (open in https://ui.perfetto.dev)", flush=True)
             print(self.table(), flush=True)
 
     def table(self) -> str:

@@ -33,10 +33,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import kernels  # noqa: E402
+import ppo_atari_native  # noqa: E402
 import utils  # noqa: E402
 
 WARMUP = 20  # untimed vector steps first: thread start-up, first resets
 SETTLE = 1.0  # seconds of quiet after each engine, for exiting worker processes and threads
+GAME = utils.game_settings(ppo_atari_native.Args())  # the native script's default game
 
 
 def run_utils(env_id, num_envs, threads, steps, seed=0, num_batches=1):
@@ -44,7 +46,7 @@ def run_utils(env_id, num_envs, threads, steps, seed=0, num_batches=1):
     each stepping its batch and pushing its frames; the C++ threads are split between the
     batches, so the total equals the other engines' (`threads`)."""
     torch.set_num_threads(1)  # as the native scripts do during the rollout on CPU
-    envs = utils.ThreadedAtariEnvs(env_id, num_envs, num_batches, threads, seed)
+    envs = utils.ThreadedAtariEnvs(env_id, num_envs, num_batches, threads, seed, GAME)
     obs = torch.zeros((2, num_envs, 4, 84, 84), dtype=torch.uint8)
     batch = num_envs // num_batches
     staged = [torch.empty((batch, kernels.STAGED_ROW), dtype=torch.uint8) for _ in range(num_batches)]
@@ -99,7 +101,7 @@ def run_ale(env_id, num_envs, threads, steps, seed=0):
     from ale_py.vector_env import AtariVectorEnv
 
     envs = AtariVectorEnv(
-        utils.rom_id(env_id), num_envs, **utils.ALE_V5, num_threads=threads, stack_num=4, life_loss_info=True
+        utils.rom_id(env_id), num_envs, **utils.ale_options(GAME), num_threads=threads, stack_num=4, life_loss_info=True
     )
     return timed_steps(envs, num_envs, steps, seed)
 
@@ -109,7 +111,7 @@ def run_gymnasium(mode, env_id, num_envs, threads, steps, seed=0):
 
     from utils import make_env
 
-    fns = [make_env(env_id, seed + i, True) for i in range(num_envs)]
+    fns = [make_env(env_id, seed + i, GAME) for i in range(num_envs)]
     autoreset = gym.vector.AutoresetMode.SAME_STEP
     if mode == "async":
         envs = gym.vector.AsyncVectorEnv(fns, autoreset_mode=autoreset)

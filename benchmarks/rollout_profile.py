@@ -92,7 +92,7 @@ def native_setup(batch, num_actions=4, steps=64, dtype=torch.float32, seed=0):
 
 def real_frames(batch, steps, seed=0):
     """Frames [steps + 1, batch, 84, 84] and game-over lists from real Breakout play."""
-    envs = utils.ThreadedAtariEnvs("Breakout-v5", batch, 1, 2, seed=seed)
+    envs = utils.ThreadedAtariEnvs("Breakout-v5", batch, 1, 2, seed, utils.game_settings(native.Args()))
     frames, ended = [envs.reset()], [()]
     rewards, dones = np.zeros(batch, np.float32), np.zeros(batch, np.float32)
     rng = np.random.default_rng(seed)

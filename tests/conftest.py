@@ -109,6 +109,14 @@ def assert_all_tags(scalars, tags=TAGS):
         assert not bad, f"{tag} has non-finite values {bad[:5]}"
 
 
+def default_game(**changes) -> dict:
+    """The game every script plays by default (its Args' game block), with `changes`: utils.game_settings."""
+    import ppo_atari_baseline
+    import utils
+
+    return utils.game_settings(ppo_atari_baseline.Args(**changes))
+
+
 def rollout_storage(T, N):
     """A native script's rollout storage on CPU (utils.BatchedRollout's keywords), zeroed."""
     import torch

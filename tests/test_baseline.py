@@ -3,7 +3,7 @@
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import TINY, assert_all_tags, read_scalars, run_dir_of, run_script
+from conftest import TINY, assert_all_tags, default_game, read_scalars, run_dir_of, run_script
 
 
 @pytest.mark.parametrize("vector_mode", ["async", "sync"])
@@ -23,7 +23,7 @@ def test_baseline_episode_accounting():
     and every lost life terminal. SpaceInvaders gives rewards above 1 and has 3 lives."""
     from utils import make_env
 
-    env = make_env("SpaceInvaders-v5", seed=3, life_loss_terminal=True)()
+    env = make_env("SpaceInvaders-v5", 3, default_game())()
     # spy on the rewards that come out of the preprocessing, before any clipping
     inner = env
     while not isinstance(inner, gym.wrappers.AtariPreprocessing):

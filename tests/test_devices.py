@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import default_game
 
 import utils
 
@@ -123,16 +124,18 @@ def test_threaded_envs_pin_each_batch_after_the_previous_ones(monkeypatch):
             made.append((num_envs, num_threads, thread_affinity_offset))
 
     monkeypatch.setattr(ale_py.vector_env, "AtariVectorEnv", FakeVectorEnv)
-    envs = utils.ThreadedAtariEnvs("Breakout-v5", 16, 8, 15, seed=0, first_core=1)
+    envs = utils.ThreadedAtariEnvs("Breakout-v5", 16, 8, 15, 0, default_game(), first_core=1)
     assert envs.threads_per_batch == [2, 2, 2, 2, 2, 2, 2, 1]
     assert made == [(2, 2, 1), (2, 2, 3), (2, 2, 5), (2, 2, 7), (2, 2, 9), (2, 2, 11), (2, 2, 13), (2, 1, 15)]
     made.clear()
-    utils.ThreadedAtariEnvs("Breakout-v5", 16, 8, 15, seed=0)
+    utils.ThreadedAtariEnvs("Breakout-v5", 16, 8, 15, 0, default_game())
     assert [offset for *_, offset in made] == [-1] * 8  # unpinned
 
 
-def test_threads_text_names_each_batch():
-    assert utils.threads_text([2, 2, 1]) == "5 env threads (2,2,1 per batch)"
+def test_the_first_line_names_each_batchs_threads():
+    args, policy = SimpleNamespace(num_envs=5, num_gpu_batches=3), SimpleNamespace(name="fused", reason=None)
+    text = utils.rollout_text(args, [2, 2, 1], None, "threads", False, policy)
+    assert text == "5 envs x 3 batches, 5 env threads (2,2,1 per batch), driver threads, CUDA graphs off, policy fused"
 
 
 def test_warm_up_orders_every_batch_stream_after_the_default_stream(monkeypatch):
@@ -228,8 +231,3 @@ def test_each_batch_makes_its_cublas_workspace_inside_its_own_pool(captured):
 )
 def test_driver_resolves_by_device_and_batches(driver, device, batches, resolved):
     assert utils.resolve_driver(driver, torch.device(device), batches) == resolved
-
-
-def test_an_unknown_driver_is_refused():
-    with pytest.raises(utils.UsageError, match="--driver 'fibers': expected auto, single, threads or sequential"):
-        utils.resolve_driver("fibers", torch.device("cpu"), 2)

@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, assert_all_tags, profile_table, read_scalars, run_dir_of, run_script
+from conftest import TINY, assert_all_tags, default_game, profile_table, read_scalars, run_dir_of, run_script
 
 import kernels
 import ppo_atari_native as native
@@ -50,13 +50,15 @@ def test_device_frame_stack_matches_ale_stack_num_4():
     from ale_py.vector_env import AtariVectorEnv
 
     n, num_batches = 4, 2
-    envs = utils.ThreadedAtariEnvs("Breakout-v5", n, num_batches, 2, seed=7)
+    envs = utils.ThreadedAtariEnvs("Breakout-v5", n, num_batches, 2, 7, default_game())
     reference = [
-        AtariVectorEnv("breakout", n // num_batches, **utils.ALE_V5, stack_num=4, life_loss_info=True, num_threads=1)
+        AtariVectorEnv(
+            "breakout", n // num_batches, **utils.ale_options(default_game()), life_loss_info=True, num_threads=1
+        )
         for _ in range(num_batches)
     ]
     game_overs = 0
-    for step, obs, _, _, actions in play(envs, num_batches, 1200, seed=7):
+    for step, obs, _, _, actions in play(envs, num_batches, 400, seed=7):
         if actions is None:
             expected = np.concatenate([utils.seeded_reset(ref, 7 + b * 2)[0] for b, ref in enumerate(reference)])
         else:
@@ -67,36 +69,51 @@ def test_device_frame_stack_matches_ale_stack_num_4():
     envs.close()
 
 
-@pytest.mark.parametrize("game", ["Breakout", "MsPacman"])
-def test_native_and_baseline_env_pipelines_give_the_same_frames(game):
-    """ale-py's vector env, as utils configures it, and the baseline's gymnasium pipeline
-    (AtariPreprocessing on a frameskip=1 env) give the same 84x84 frames and rewards for the
-    same actions, so the two scripts learn from the same game. Sticky actions off and no
-    noops (their random draws differ between the two) to compare frame by frame."""
-    import ale_py
-    import gymnasium as gym
-    from ale_py.vector_env import AtariVectorEnv
+# (game, settings changed from the default game)
+PIPELINE_GAMES = [
+    ("Breakout", {}),
+    ("MsPacman", {}),
+    ("MsPacman", dict(frame_skip=3, full_action_space=True, clip_rewards=False, life_loss_terminal=False)),
+]
 
-    gym.register_envs(ale_py)
-    env = gym.make(f"ALE/{game}-v5", frameskip=1, repeat_action_probability=0.0)
-    env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=4, screen_size=84)
-    # noop_max=1 is ale-py's smallest: no noop frame (seen here: episode frame 0 after reset)
-    # utils' own settings, but for the random draws
-    no_draws = dict(repeat_action_probability=0.0, noop_max=1, use_fire_reset=False)
-    vector = AtariVectorEnv(utils.rom_id(f"{game}-v5"), 1, **{**utils.ALE_V5, **no_draws}, num_threads=1, stack_num=1)
-    frame, _ = env.reset(seed=0)
-    frames, _ = vector.reset(seed=0)
-    np.testing.assert_array_equal(frames[0, 0], frame)
+
+@pytest.mark.parametrize("game, changes", PIPELINE_GAMES)
+def test_native_and_baseline_env_pipelines_play_the_same_game(game, changes):
+    """utils.ThreadedAtariEnvs (the native scripts' envs) and utils.make_env (the baseline's) give the
+    same frames, rewards and terminals for the same actions, across lost lives and game overs, with
+    the default game and with other settings: a copy's game is the same in both. Sticky actions and
+    noops off (their random draws differ between the two) to compare frame by frame."""
+    settings = default_game(repeat_action_probability=0.0, noop_max=0, **changes)
+    envs = utils.ThreadedAtariEnvs(f"{game}-v5", 1, 1, 1, 0, settings)
+    env = utils.make_env(f"{game}-v5", 0, settings)()
+    assert envs.num_actions == env.action_space.n == (18 if settings["full_action_space"] else envs.num_actions)
+    frame = envs.reset()[0]
+    obs, _ = env.reset(seed=0)
+    rewards, dones = np.zeros(1, np.float32), np.zeros(1, np.float32)
     rng = np.random.default_rng(0)
-    for _ in range(150):
-        action = int(rng.integers(env.action_space.n))
-        frame, reward, terminated, truncated, _ = env.step(action)
-        frames, rewards, *_ = vector.step(np.array([action]))
-        assert not (terminated or truncated)  # at a game over the vector env returns the next game's frame
-        np.testing.assert_array_equal(frames[0, 0], frame)
-        assert rewards[0] == reward
+    lives_lost = game_overs = terminals = 0
+    biggest = 0.0
+    for step in range(5000):
+        np.testing.assert_array_equal(frame, np.asarray(obs)[-1], err_msg=f"step {step}")
+        action = int(rng.integers(envs.num_actions))
+        lives = env.unwrapped.ale.lives()
+        obs, reward, terminated, truncated, _ = env.step(action)
+        envs.send(0, np.array([action]))
+        frames, ended = envs.recv(0, rewards, dones)
+        frame = frames[0]
+        assert (rewards[0], bool(dones[0])) == (reward, terminated or truncated), f"step {step}"
+        biggest, terminals = max(biggest, reward), terminals + bool(dones[0])
+        lives_lost += 0 < env.unwrapped.ale.lives() < lives
+        game_overs += len(ended)
+        if game_overs == 2:
+            break
+        if terminated or truncated:
+            obs, _ = env.reset()  # after a game over a new game; after a lost life the same one
+    assert game_overs == 2 and lives_lost >= 2
+    assert terminals == game_overs + (lives_lost if settings["life_loss_terminal"] else 0)
+    assert (biggest > 1) == (not settings["clip_rewards"])  # MsPacman scores 10 a pellet
     env.close()
-    vector.close()
+    envs.close()
 
 
 def test_threaded_envs_episode_accounting():
@@ -104,7 +121,7 @@ def test_threaded_envs_episode_accounting():
     learner: checked against a plain ale-py env with the same seed and actions."""
     from ale_py.vector_env import AtariVectorEnv
 
-    envs = utils.ThreadedAtariEnvs("SpaceInvaders-v5", 1, 1, 1, seed=3)
+    envs = utils.ThreadedAtariEnvs("SpaceInvaders-v5", 1, 1, 1, 3, default_game())
     plain = AtariVectorEnv(
         "space_invaders", 1, repeat_action_probability=0.25, stack_num=1, reward_clipping=False, num_threads=1
     )
@@ -131,7 +148,7 @@ def test_threaded_envs_episode_accounting():
 
 def real_frames(n=8, steps=60):
     """Stacks [n, 4, 84, 84] from real Breakout play."""
-    envs = utils.ThreadedAtariEnvs("Breakout-v5", n, 1, 2, seed=1)
+    envs = utils.ThreadedAtariEnvs("Breakout-v5", n, 1, 2, 1, default_game())
     for _, obs, *_ in play(envs, 1, steps, seed=1):
         pass
     envs.close()

@@ -12,7 +12,15 @@ import signal
 
 import pytest
 import torch
-from conftest import ROOT, read_scalars, rollout_storage, run_dir_of, run_script, stop_after_first_progress
+from conftest import (
+    ROOT,
+    default_game,
+    read_scalars,
+    rollout_storage,
+    run_dir_of,
+    run_script,
+    stop_after_first_progress,
+)
 
 import kernels
 import ppo_atari_native as native
@@ -165,15 +173,17 @@ def load(path):
 
 @pytest.fixture(scope="module")
 def frames():
-    return utils.probe_frames("Breakout-v5", 4, torch.device("cpu"))
+    return utils.probe_frames("Breakout-v5", default_game(), 4, torch.device("cpu"))
 
 
 def collect(agent, policy, driver, num_envs=4, num_batches=2, T=6, seed=3):
     """One rollout of T steps on CPU through utils.BatchedRollout; returns its storage and
     the uniforms it drew."""
-    envs = utils.ThreadedAtariEnvs("Breakout-v5", num_envs, num_batches, num_envs, seed)
+    envs = utils.ThreadedAtariEnvs("Breakout-v5", num_envs, num_batches, num_envs, seed, default_game())
     storage = rollout_storage(T, num_envs)
-    rollout = utils.BatchedRollout(envs, policy, **storage, driver=driver, cuda_graphs=False)
+    rollout = utils.BatchedRollout(
+        envs, policy, **storage, driver=driver, cuda_graphs=False, profiler=utils.Profiler(False)
+    )
     rollout.start()
     torch.manual_seed(seed)
     assert rollout.collect()

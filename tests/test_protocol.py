@@ -1,19 +1,31 @@
-"""The ALE v5 protocol (utils.ALE_V5) is one game for every script: with sticky actions, FIRE and
-noops on, the native envs (ale-py's vector env) and the baseline's gymnasium pipeline start
-games and go on after a lost life alike. Their random draws differ, so what is compared is the
-distributions over a few hundred game starts, within sampling error.
+"""The game. By default every script plays one, the ALE v5 protocol (the game block of its Args):
+with sticky actions, FIRE and noops on, the native envs (ale-py's vector env) and the baseline's
+gymnasium pipeline start games and go on after a lost life alike. Their random draws differ, so
+what is compared is the distributions over a few hundred game starts, within sampling error.
 
 Under a fixed action sequence (NOOP throughout), per game start:
 - the frames that pass before the first observation (FIRE and noops);
 - whether Breakout's ball was served (a life is lost only if it was: nobody presses FIRE);
 - the agent step at which the first life is lost.
+
+A copy, or a run's flags, changes the game for everything that plays it: the envs, the network's
+action set, the learner's rewards and terminals, the first line, the checkpoint.
 """
 
+import inspect
 import math
+import runpy
+import signal
+import sys
 
 import numpy as np
 import pytest
+import torch
+from conftest import ROOT, default_game
 
+import a2c_atari
+import ppo_atari_baseline
+import ppo_atari_native
 import utils
 from utils import make_env
 
@@ -25,7 +37,7 @@ def native_starts(game, steps=STEPS, starts=STARTS, num_envs=32):
     """(frames before the first observation, agent step of the first lost life or 0) per game
     start, from utils.ThreadedAtariEnvs as the native scripts make it: seeded once (the first
     num_envs rows), then new games without reseeding (a seeded start loads the ROM: slow)."""
-    envs = utils.ThreadedAtariEnvs(f"{game}-v5", num_envs, 1, 2, seed=0)
+    envs = utils.ThreadedAtariEnvs(f"{game}-v5", num_envs, 1, 2, 0, default_game())
     rewards, dones = np.zeros(num_envs, np.float32), np.zeros(num_envs, np.float32)
     noop = np.zeros(num_envs, dtype=np.int64)
     rows = []
@@ -47,7 +59,7 @@ def native_starts(game, steps=STEPS, starts=STARTS, num_envs=32):
 
 def baseline_starts(game, steps=STEPS, starts=STARTS):
     """The same from utils.make_env's gymnasium pipeline (lives read from ALE)."""
-    env = make_env(f"{game}-v5", seed=0, life_loss_terminal=False)()
+    env = make_env(f"{game}-v5", 0, default_game(life_loss_terminal=False))()
     ale = env.unwrapped.ale
     rows = []
     for start in range(starts):
@@ -158,7 +170,7 @@ def test_steps_to_the_first_lost_life(breakout):
 def test_after_a_lost_life_the_game_goes_on_without_a_step():
     """A lost life is terminal for the learner and nothing else: the baseline's reset after it
     returns the last observation and takes no step, as ale-py's vector env does not."""
-    env = make_env("Breakout-v5", seed=0, life_loss_terminal=True)()
+    env = make_env("Breakout-v5", 0, default_game())()
     env.reset(seed=3)
     env.step(1)  # serve, so that the ball is lost under NOOP
     for _ in range(200):
@@ -188,3 +200,101 @@ def test_the_seeded_start_does_not_tie_fire_to_the_noop_count(breakout):
     seeded = breakout[0][:32]
     served = seeded[:, 1] > 0
     assert (served & (seeded[:, 0] <= 7)).any() and (~served & (seeded[:, 0] > 7)).any(), seeded.tolist()
+
+
+# ----------------------------------------------------------------------------- the game's settings
+def game_block(module) -> str:
+    """The lines of a script's Args from its "# the game" comment to the next blank line."""
+    source = inspect.getsource(module.Args)
+    start = source.index("    # the game")
+    return source[start : source.index("\n\n", start)]
+
+
+def test_every_script_plays_one_game_by_default():
+    """The three scripts' game blocks are the same lines (names, defaults, help), hold every setting
+    utils plays, and default to ale-py's v5 game: its registered env's sticky actions, frame skip,
+    action set and frame cut, its vector env's noops and FIRE; SLM Lab's clipped rewards and
+    lost-life terminals."""
+    import gymnasium as gym
+    from ale_py.vector_env import AtariVectorEnv
+
+    scripts = (ppo_atari_native, ppo_atari_baseline, a2c_atari)
+    assert game_block(scripts[1]) == game_block(scripts[0]) == game_block(scripts[2])
+    games = [utils.game_settings(script.Args()) for script in scripts]
+    assert games[0] == games[1] == games[2] == default_game()
+    v5 = gym.spec("ALE/Breakout-v5").kwargs
+    vector = inspect.signature(AtariVectorEnv).parameters
+    assert games[0] == dict(
+        repeat_action_probability=v5["repeat_action_probability"], frame_skip=v5["frameskip"],
+        noop_max=vector["noop_max"].default, fire_reset=vector["use_fire_reset"].default,
+        max_episode_frames=v5["max_num_frames_per_episode"], full_action_space=v5["full_action_space"],
+        clip_rewards=True, life_loss_terminal=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("pipeline", ["native", "baseline"])
+def test_without_sticky_actions_and_noops_the_same_actions_give_the_same_game(pipeline):
+    """DQN's protocol, --repeat-action-probability 0 --noop-max 0: two envs seeded differently and
+    given the same actions play the same game, frame for frame; with the default sticky actions
+    they part within a few steps."""
+
+    def play(settings, steps=120):
+        """Newest frames [steps, 2, 84, 84] and rewards [steps, 2] of two envs (seeds 0 and 1) under
+        one action sequence, in utils.ThreadedAtariEnvs or in utils.make_env's gymnasium pipeline."""
+        actions = np.random.default_rng(0).integers(9, size=steps)
+        if pipeline == "native":
+            envs = utils.ThreadedAtariEnvs("Asterix-v5", 2, 1, 1, 0, settings)
+            envs.reset()
+            rewards, dones, frames, returned = np.zeros(2, np.float32), np.zeros(2, np.float32), [], []
+            for action in actions:
+                envs.send(0, np.array([action, action]))
+                frames.append(envs.recv(0, rewards, dones)[0].copy())
+                returned.append(rewards.copy())
+            envs.close()
+            return np.stack(frames), np.stack(returned)
+        envs = [make_env("Asterix-v5", seed, settings)() for seed in (0, 1)]
+        for seed, env in enumerate(envs):
+            env.reset(seed=seed)
+        steps = [[env.step(int(action))[:2] for env in envs] for action in actions]
+        frames = np.array([[np.asarray(obs)[-1] for obs, _ in step] for step in steps])
+        return frames, np.array([[reward for _, reward in step] for step in steps])
+
+    frames, rewards = play(default_game(repeat_action_probability=0.0, noop_max=0, clip_rewards=False))
+    np.testing.assert_array_equal(frames[:, 0], frames[:, 1])
+    np.testing.assert_array_equal(rewards[:, 0], rewards[:, 1])
+    assert rewards.max() == 50  # the game went on: Asterix scored
+    sticky, _ = play(default_game(noop_max=0))
+    assert (sticky[:, 0] != sticky[:, 1]).any(axis=(1, 2)).mean() > 0.5
+
+
+# a copy's game (set here by flags): no sticky actions or noops, all 18 actions, unclipped rewards,
+# a lost life not terminal; Asterix scores 50 within its first few dozen steps
+CHANGED = ["--env-id", "Asterix-v5", "--repeat-action-probability", "0", "--noop-max", "0", "--full-action-space",
+           "--no-clip-rewards", "--no-life-loss-terminal"]  # fmt: skip
+TINY_RUNS = {
+    "ppo_atari_native.py": ["--num-gpu-batches", "1", "--num-minibatches", "1", "--update-epochs", "1"],
+    "a2c_atari.py": ["--num-gpu-batches", "1"],
+    "ppo_atari_baseline.py": ["--num-minibatches", "1", "--update-epochs", "1", "--vector-mode", "sync"],
+}
+
+
+@pytest.mark.parametrize("script", TINY_RUNS)
+def test_a_copy_changes_the_game_with_its_flags(script, tmp_path, monkeypatch, capsys):
+    """One iteration of 2 envs x 64 steps, run in this process so that its storage can be read: the
+    first line names the full action set (and, in the native scripts, the fused step serving it), the
+    network has 18 actions and the rollout took some beyond the minimal set's 9, the learner's
+    rewards hold Asterix's 50, unclipped, and the checkpoint keeps the game's settings."""
+    tiny = ["--num-envs", "2", "--num-steps", "64", "--total-timesteps", "128", "--runs-dir", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", [script, *tiny, *TINY_RUNS[script], *CHANGED])
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # no stop handlers in pytest's process
+    run = runpy.run_path(str(ROOT / script), run_name="__main__")
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "; Asterix-v5 (18 actions, full set), 1 iteration of 128 steps" in first, first
+    assert script == "ppo_atari_baseline.py" or ", policy fused; " in first, first
+    changed = dict(repeat_action_probability=0.0, noop_max=0, full_action_space=True, clip_rewards=False,
+                   life_loss_terminal=False)  # fmt: skip
+    assert run["game"] == default_game(**changed)
+    assert run["agent"].actor.out_features == 18 and run["actions"].max() >= 9
+    assert run["rewards"].max() == 50
+    saved = torch.load(run["run_dir"] / "model.pt", weights_only=True)
+    assert saved["num_actions"] == 18 and {name: saved["args"][name] for name in utils.GAME} == run["game"]

@@ -8,6 +8,7 @@ import importlib.util
 import io
 import os
 import re
+import runpy
 import shlex
 import shutil
 import signal
@@ -21,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, read_scalars, run_dir_of, run_script, script_env
+from conftest import ROOT, default_game, read_scalars, run_dir_of, run_script, script_env
 
 import utils
 
@@ -290,7 +291,7 @@ import utils
 def state(marker):
     weights = torch.full((4_000_000,), float(marker))  # 16 MB: a write that takes a while
     return {"script": "ppo_atari_baseline.py", "env_id": "Breakout-v5", "num_actions": 4, "model": {"w": weights},
-            "iteration": marker}
+            "args": {}, "iteration": marker}
 
 utils.save_checkpoint(sys.argv[1], state(1))
 real_save = torch.save
@@ -320,7 +321,14 @@ def test_checkpoint_write_killed_half_way_leaves_the_previous_one(tmp_path):
 
 def test_checkpoint_write_that_fails_leaves_no_temp_file(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint.pt"
-    good = {"script": "ppo_atari_baseline.py", "env_id": "Breakout-v5", "num_actions": 4, "model": {}, "iteration": 1}
+    good = {
+        "script": "ppo_atari_baseline.py",
+        "env_id": "Breakout-v5",
+        "num_actions": 4,
+        "model": {},
+        "args": {},
+        "iteration": 1,
+    }
     utils.save_checkpoint(path, good)
 
     def disk_full(obj, f):
@@ -337,7 +345,14 @@ def test_checkpoint_write_that_fails_leaves_no_temp_file(tmp_path, monkeypatch):
 def test_load_checkpoint_refuses_bad_files_by_name(tmp_path):
     path = tmp_path / "checkpoint.pt"
     utils.save_checkpoint(
-        path, {"script": "ppo_atari_native.py", "env_id": "Pong-v5", "num_actions": 6, "model": {"w": torch.ones(1000)}}
+        path,
+        {
+            "script": "ppo_atari_native.py",
+            "env_id": "Pong-v5",
+            "num_actions": 6,
+            "model": {"w": torch.ones(1000)},
+            "args": {},
+        },
     )
     data = path.read_bytes()
     cases = {
@@ -390,6 +405,8 @@ def bad_inputs(script):
         ("resume-other-script", ["--resume", f"{{files}}/{other}"], f"is from {other}"),
         ("resume-other-game", ["--resume", f"{{files}}/pong-{script}"], "is for Pong-v5"),
         ("resume-other-num-envs", ["--resume", f"{{files}}/8-envs-{script}"], "--num-envs 4 differs"),  # tiny: 4
+        ("resume-other-game-settings", ["--resume", f"{{files}}/no-sticky-{script}"],
+         "--repeat-action-probability 0.25 differs from the checkpoint's 0.0: resume with the same value"),
         ("resume-finished-run", ["--resume", f"{{files}}/finished-{script}"], "ends a finished run"),
         ("eval-missing", ["--eval-checkpoint", "{files}/missing.pt"], "does not exist"),
         ("video-without-eval", ["--capture-video"], "--eval-checkpoint"),
@@ -405,6 +422,7 @@ def bad_inputs(script):
         ("resume-bad-rng", ["--resume", f"{{files}}/bad-rng-{script}"], "RNG states cannot be restored"),
         # every flag checked before anything starts
         ("gamma-2", ["--gamma", "2"], "--gamma must be in [0, 1], got 2.0"),
+        ("frame-skip-0", ["--frame-skip", "0"], "--frame-skip must be at least 1, got 0"),
         ("exp-name-escapes", ["--exp-name", "../../../escaped"], "not a path"),
         ("misspelled-flag", ["--gama", "0.9"], "perhaps you meant --gamma"),
     ]  # fmt: skip
@@ -474,6 +492,8 @@ def bad_input_results(tmp_path_factory):
         torch.save(valid_checkpoint(script, env_id="Pong-v5"), files / f"pong-{script}")
         args = {"num_envs": 8, "num_steps": 16, "total_timesteps": 320}
         torch.save(valid_checkpoint(script, args=args), files / f"8-envs-{script}")
+        no_sticky = dict(CONFIGS_ARGS[script], repeat_action_probability=0.0)
+        torch.save(valid_checkpoint(script, args=no_sticky), files / f"no-sticky-{script}")
         finished = valid_checkpoint(script, args=dict(CONFIGS_ARGS[script]), iteration=10**6)
         torch.save(finished, files / f"finished-{script}")
         torch.save(valid_checkpoint(script, num_actions=None), files / f"incomplete-{script}")
@@ -565,12 +585,14 @@ POSITIVE = ([SMALLEST, LARGE], ["0", "nan", "inf"])
 NON_NEGATIVE = (["0", LARGE], [PAST_ZERO, "nan", "inf"])
 AT_LEAST_1 = [
     "total_timesteps", "num_envs", "num_steps", "num_minibatches", "num_gpu_batches", "num_env_threads",
-    "save_interval", "log_interval", "eval_episodes",
+    "save_interval", "log_interval", "eval_episodes", "frame_skip", "max_episode_frames",
 ]  # fmt: skip
 RANGE_ENDS = {
     "seed": (["0", "4294967295"], ["-1", "4294967296"]),
     **{name: (["1"], ["0"]) for name in AT_LEAST_1},
     "update_epochs": (["0"], ["-1"]),
+    "noop_max": (["0"], ["-1"]),
+    "repeat_action_probability": (["0", "1"], [PAST_ZERO, PAST_ONE, "nan"]),
     "learning_rate": (POSITIVE[0], [*POSITIVE[1], "-1"]),
     "gamma": (["0", "1"], [PAST_ZERO, PAST_ONE, "nan"]),
     "gae_lambda": (["0", "1"], [PAST_ZERO, PAST_ONE, "nan"]),
@@ -627,8 +649,6 @@ def test_precision_resolves_by_hardware_and_bf16_is_refused_where_missing(monkey
     cpu = torch.device("cpu")
     assert utils.resolve_precision("auto", cpu) == ("bf16" if utils.cpu_has_bf16() else "fp32")
     assert utils.resolve_precision("bf16", cpu) == "bf16"  # CPUs run bf16 (slowly without AVX-512 BF16)
-    with pytest.raises(utils.UsageError, match="--precision 'fp16'"):
-        utils.resolve_precision("fp16", cpu)
 
 
 # ----------------------------------------------------------------------------- 4. evaluation
@@ -665,10 +685,10 @@ def test_evaluation_returns_are_full_game_unclipped_sums():
         return obs[:, -1].sum(dim=(1, 2)) % 9
 
     episodes, seed = 3, 5
-    returns = utils.evaluate("MsPacman-v5", act, episodes, seed, torch.device("cpu"))
+    returns = utils.evaluate("MsPacman-v5", default_game(), act, episodes, seed, torch.device("cpu"))
     expected, clipped, lives_lost = [], [], 0
     for i in range(episodes):  # evaluate's env i is seeded seed + i and plays one game
-        env = AtariVectorEnv("ms_pacman", 1, **utils.ALE_V5, stack_num=4, num_threads=1)
+        env = AtariVectorEnv("ms_pacman", 1, **utils.ale_options(default_game()), stack_num=4, num_threads=1)
         obs, info = utils.seeded_reset(env, seed + i)
         total, total_clipped, lives = 0.0, 0.0, info["lives"][0]
         while True:
@@ -684,6 +704,27 @@ def test_evaluation_returns_are_full_game_unclipped_sums():
     assert lives_lost >= 2 * episodes and all(c < e for c, e in zip(clipped, expected)), (lives_lost, clipped)
 
 
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_evaluation_plays_the_game_the_checkpoint_was_trained_on(script, tmp_path, monkeypatch, capsys):
+    """A checkpoint of a changed game (MsPacman, all 18 actions, no sticky actions, 3 frames a step)
+    is evaluated on that game with no flag saying so: the first line names it and utils.evaluate is
+    given its settings (run in this process, utils.evaluate recording what it is asked to play)."""
+    changed = dict(repeat_action_probability=0.0, frame_skip=3, full_action_space=True)
+    args = dict(CONFIGS_ARGS[script], **changed)
+    torch.save(valid_checkpoint(script, actions=18, env_id="MsPacman-v5", args=args), tmp_path / "model.pt")
+    played = []
+    monkeypatch.setattr(utils, "evaluate", lambda env_id, game, *rest, **kw: played.append((env_id, game)) or [3.0])
+    monkeypatch.setattr(sys, "argv", [script, "--eval-checkpoint", str(tmp_path / "model.pt"), "--eval-episodes", "1"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+    assert exited.value.code == 0
+    assert played == [("MsPacman-v5", default_game(**changed))]
+    assert (
+        "evaluating " in (out := capsys.readouterr().out)
+        and " on MsPacman-v5 (18 actions, full set) for 1 games" in out
+    )
+
+
 def test_evaluation_with_video_records_every_game_and_scores_it_as_without(tmp_path):
     """--capture-video plays through utils.make_env's gymnasium pipeline: one video per game,
     and the same full-game, unclipped returns as the vector envs give (NOOP throughout, so that
@@ -694,8 +735,10 @@ def test_evaluation_with_video_records_every_game_and_scores_it_as_without(tmp_p
         return torch.zeros(obs.shape[0], dtype=torch.long)
 
     cpu = torch.device("cpu")
-    recorded = utils.evaluate("MsPacman-v5", act, 2, 0, cpu, capture_video=True, video_dir=tmp_path / "videos")
-    assert recorded == utils.evaluate("MsPacman-v5", act, 2, 0, cpu) and min(recorded) >= 10
+    recorded = utils.evaluate(
+        "MsPacman-v5", default_game(), act, 2, 0, cpu, capture_video=True, video_dir=tmp_path / "videos"
+    )
+    assert recorded == utils.evaluate("MsPacman-v5", default_game(), act, 2, 0, cpu) and min(recorded) >= 10
     assert sorted(p.name for p in (tmp_path / "videos").iterdir()) == [f"rl-video-episode-{i}.mp4" for i in range(2)]
 
 
@@ -751,7 +794,7 @@ def test_nonfinite_policy_sees_nan_weights_and_overflowing_outputs():
     with torch.no_grad():
         for p in agent.parameters():
             p.copy_(p.sign() * 1e30)  # finite weights, overflowing outputs
-    assert utils.all_finite(agent) and utils.nonfinite_policy(agent, obs)
+    assert all(p.isfinite().all() for p in agent.parameters()) and utils.nonfinite_policy(agent, obs)
     with torch.no_grad():
         agent.critic.bias.fill_(float("nan"))
     assert utils.nonfinite_policy(agent, obs)
@@ -826,13 +869,15 @@ def test_two_runs_launched_together_write_two_directories(tmp_path):
 
 
 def test_the_first_line_says_where_it_runs_and_how_many_steps():
-    """The device (no CUDA here), the precision, the envs, and the steps that will really run: a
-    budget of 127 with a batch of 64 runs 64."""
+    """The device (no CUDA here), the precision, the envs, the game's action set, and the steps that
+    will really run: a budget of 127 with a batch of 64 runs 64."""
     args = SimpleNamespace(eval_checkpoint=None, env_id="Breakout-v5", batch_size=64, num_iterations=127 // 64)
-    line = utils.describe_run(args, torch.device("cpu"), "4 envs x 2 batches, 2 env threads")
+    line = utils.describe_run(SimpleNamespace(**vars(args), full_action_space=False), torch.device("cpu"), "4 envs")
     if not torch.cuda.is_available():
-        assert line.startswith("cpu (no CUDA found), fp32, 4 envs x 2 batches, 2 env threads;")
-    assert line.endswith("Breakout-v5, 1 iteration of 64 steps = 64 agent steps")
+        assert line.startswith("cpu (no CUDA found), fp32, 4 envs;")
+    assert line.endswith("; Breakout-v5 (4 actions), 1 iteration of 64 steps = 64 agent steps")
+    line = utils.describe_run(SimpleNamespace(**vars(args), full_action_space=True), torch.device("cpu"), "4 envs")
+    assert line.endswith("; Breakout-v5 (18 actions, full set), 1 iteration of 64 steps = 64 agent steps")
 
 
 def test_a_lowercase_game_id_trains_under_the_canonical_name_and_evaluates(tmp_path):

@@ -1,12 +1,12 @@
 """The native rollout (utils.BatchedRollout, as ppo_atari_native.py and a2c_atari.py run it) as the
 learner sees it: each step's action drawn from that step's uniform under that step's policy,
 actions independent over steps and envs, and rewards and terminals at the steps where the
-envs returned them."""
+envs returned them, in the default game and in one a copy changes."""
 
 import numpy as np
 import pytest
 import torch
-from conftest import rollout_storage
+from conftest import default_game, rollout_storage
 
 import kernels
 import ppo_atari_native as native
@@ -14,18 +14,29 @@ import utils
 
 # Chi-square critical values at p = 0.001 (scipy.stats.chi2.ppf(0.999, dof)), by dof.
 CHI2_CRITICAL_P001 = {3: 16.266, 15: 37.697}
+# the default game, and a copy's: no sticky actions, all 18 actions, unclipped rewards (MsPacman scores
+# 10 a pellet), a lost life not terminal
+GAMES = {
+    "default": ("Breakout-v5", default_game()),
+    "changed": ("MsPacman-v5", default_game(repeat_action_probability=0.0, full_action_space=True,
+                                            clip_rewards=False, life_loss_terminal=False)),
+}  # fmt: skip
 
 
-def collect(agent, num_envs, num_batches, num_steps, iterations, seed):
-    """Run BatchedRollout on the CPU for `iterations` rollouts with the fused policy step, as
-    the scripts run it (it draws every uniform of the horizon before each rollout); returns
-    each rollout's storage and uniforms, copied."""
+def collect(agent, num_envs, num_batches, num_steps, iterations, seed, game="default", choice="fused"):
+    """Run BatchedRollout on the CPU for `iterations` rollouts of GAMES[game] with the fused policy step
+    (or `choice`), as the scripts run it (it draws every uniform of the horizon before each rollout);
+    returns each rollout's storage and uniforms, copied."""
     T, N, cpu = num_steps, num_envs, torch.device("cpu")
-    envs = utils.ThreadedAtariEnvs("Breakout-v5", N, num_batches, num_batches, seed)
-    policy = kernels.rollout_policy("fused", agent, torch.float32, utils.probe_frames("Breakout-v5", 2, cpu), 4)
+    env_id, settings = GAMES[game]
+    envs = utils.ThreadedAtariEnvs(env_id, N, num_batches, num_batches, seed, settings)
+    frames = utils.probe_frames(env_id, settings, 2, cpu)
+    policy = kernels.rollout_policy(choice, agent, torch.float32, frames, envs.num_actions)
     storage = rollout_storage(T, N)
     driver = utils.resolve_driver("auto", cpu, num_batches)
-    rollout = utils.BatchedRollout(envs, policy, **storage, driver=driver, cuda_graphs=False)
+    rollout = utils.BatchedRollout(
+        envs, policy, **storage, driver=driver, cuda_graphs=False, profiler=utils.Profiler(False)
+    )
     rollout.start()
     torch.manual_seed(seed)
     copies = []
@@ -52,21 +63,29 @@ def inverse_cdf(logits, uniform):
     return action, ((cdf - u).abs() < 1e-5).any(dim=1)
 
 
-@pytest.fixture(scope="module")
-def random_policy_rollout():
-    """Three rollouts of 8 envs x 64 steps under a policy whose probabilities vary with the
-    state (actor weights larger than their initial 0.01 scale)."""
+def state_dependent_agent(num_actions):
+    """An Agent whose probabilities vary with the state (actor weights larger than their initial 0.01 scale)."""
     torch.manual_seed(0)
-    agent = native.Agent(4).to(memory_format=torch.channels_last)
+    agent = native.Agent(num_actions).to(memory_format=torch.channels_last)
     with torch.no_grad():
         agent.actor.weight.normal_(std=0.3)
-    return agent, collect(agent, num_envs=8, num_batches=2, num_steps=64, iterations=3, seed=3)
+    return agent
+
+
+@pytest.fixture(scope="module", params=GAMES)
+def random_policy_rollout(request):
+    """Three rollouts of 8 envs x 64 steps of each game (MsPacman: 96, past its intro) under a
+    state-dependent policy."""
+    env_id, settings = GAMES[request.param]
+    agent = state_dependent_agent(utils.num_actions(env_id, settings["full_action_space"]))
+    steps = 64 if request.param == "default" else 96
+    return request.param, agent, collect(agent, 8, 2, steps, iterations=3, seed=3, game=request.param)
 
 
 def test_each_action_is_the_inverse_cdf_of_its_own_steps_uniform(random_policy_rollout):
     """Recomputed from the stored stacks by the training network: every (step, env)'s action is
     where its own uniform falls in its policy's CDF, and its stored log-prob is that action's."""
-    agent, storage = random_policy_rollout
+    _, agent, storage = random_policy_rollout
     checked = 0
     for rollout in storage:
         with torch.no_grad():
@@ -78,28 +97,33 @@ def test_each_action_is_the_inverse_cdf_of_its_own_steps_uniform(random_policy_r
         torch.testing.assert_close(rollout["logprobs"].reshape(-1), logprob, rtol=0, atol=1e-5)
         torch.testing.assert_close(rollout["values"].reshape(-1), value[:, 0], rtol=0, atol=1e-5)
         checked += int((~boundary).sum())
-    assert checked >= 0.99 * 3 * 65 * 8
+    assert checked >= 0.99 * sum(rollout["actions"].numel() for rollout in storage)
     # the policy really depends on the state, so a stack from another step would change actions
     probs = torch.softmax(logits, dim=1)
     assert (probs.max(dim=0).values - probs.min(dim=0).values).max() > 0.2
 
 
 def test_rewards_and_terminals_are_stored_at_the_step_the_envs_returned_them(random_policy_rollout):
-    """Plain ale-py envs, seeded as utils.ThreadedAtariEnvs seeds its batches and given the
-    rollout's actions, return at agent step t the frame stored as obs[t + 1]'s newest, the
-    reward stored (clipped) as rewards[t] and the terminal stored as dones[t + 1]."""
+    """Plain ale-py envs playing the game as its settings say, seeded as utils.ThreadedAtariEnvs seeds
+    its batches and given the rollout's actions, return at agent step t the frame stored as obs[t + 1]'s
+    newest, the reward stored as rewards[t] (clipped, or not) and the terminal stored as dones[t + 1]
+    (a lost life, or not)."""
     from ale_py.vector_env import AtariVectorEnv
 
-    _, storage = random_policy_rollout
+    game, _, storage = random_policy_rollout
+    env_id, settings = GAMES[game]
     num_envs, num_batches, seed = 8, 2, 3
     batch = num_envs // num_batches
+    bound = 1 if settings["clip_rewards"] else np.inf
     plain = [
-        AtariVectorEnv("breakout", batch, **utils.ALE_V5, stack_num=1, life_loss_info=True, num_threads=1)
+        AtariVectorEnv(utils.rom_id(env_id), batch, **utils.ale_options(settings), stack_num=1, num_threads=1,
+                       life_loss_info=settings["life_loss_terminal"])
         for _ in range(num_batches)
-    ]
+    ]  # fmt: skip
     first = np.concatenate([utils.seeded_reset(env, seed + b * batch)[0][:, 0] for b, env in enumerate(plain)])
     np.testing.assert_array_equal(storage[0]["obs"][0, :, 3].numpy(), first)
-    terminals = 0
+    terminals = lives_lost = 0
+    lives = np.full(num_envs, -1)
     for i, rollout in enumerate(storage):
         for t in range(rollout["rewards"].shape[0]):
             steps = [
@@ -108,13 +132,19 @@ def test_rewards_and_terminals_are_stored_at_the_step_the_envs_returned_them(ran
             frames, reward, terminated, truncated = (np.concatenate([s[k] for s in steps]) for k in range(4))
             where = f"rollout {i}, step {t}"
             np.testing.assert_array_equal(rollout["obs"][t + 1, :, 3].numpy(), frames[:, 0], err_msg=where)
-            np.testing.assert_array_equal(rollout["rewards"][t], np.clip(reward, -1, 1), err_msg=where)
+            np.testing.assert_array_equal(rollout["rewards"][t], np.clip(reward, -bound, bound), err_msg=where)
             np.testing.assert_array_equal(rollout["dones"][t + 1], terminated | truncated, err_msg=where)
             terminals += int((terminated | truncated).sum())
+            now = np.concatenate([s[4]["lives"] for s in steps])
+            lives_lost, lives = lives_lost + int(((now < lives) & ~terminated).sum()), now
         if i > 0:  # a rollout starts where the last one ended
             np.testing.assert_array_equal(rollout["dones"][0], storage[i - 1]["dones"][-1])
             assert torch.equal(rollout["obs"][0], storage[i - 1]["obs"][-1])
-    assert terminals >= 10, "the rollouts must cross several lost lives"
+    assert terminals + lives_lost >= 10, "the rollouts must cross several lost lives"
+    # lost lives are terminal in the default game only; MsPacman's pellets reach the learner as 10
+    assert (terminals > 0) == settings["life_loss_terminal"] and (lives_lost > 0) != settings["life_loss_terminal"]
+    rewards = np.concatenate([rollout["rewards"] for rollout in storage])
+    assert rewards.max() == 1 if settings["clip_rewards"] else (rewards == 10).any()
     for env in plain:
         env.close()
 
@@ -146,3 +176,15 @@ def test_actions_under_a_fixed_policy_are_independent_over_steps_and_envs():
         observed = torch.bincount((4 * a + b).reshape(-1), minlength=16).double()
         statistics[name] = (chi_square(observed, torch.outer(p, p).reshape(-1) * a.numel()), CHI2_CRITICAL_P001[15])
     assert all(statistic < critical for statistic, critical in statistics.values()), statistics
+
+
+def test_the_full_action_set_runs_on_the_module_step_as_on_the_fused_one():
+    """--full-action-space with an edited network (--policy module): the general step serves the 18
+    actions as the fused one does (test_each_action_is_the_inverse_cdf_of_its_own_steps_uniform):
+    the same actions from the same uniforms, the same log-probs and values, some beyond MsPacman's
+    minimal set of 9."""
+    agent = state_dependent_agent(18)
+    (fused,), (module,) = (collect(agent, 4, 2, 32, 1, seed=3, game="changed", choice=c) for c in ("fused", "module"))
+    assert torch.equal(fused["actions"], module["actions"]) and fused["actions"].max() >= 9
+    for name in ("logprobs", "values"):
+        torch.testing.assert_close(module[name], fused[name], rtol=1e-5, atol=1e-5)
