@@ -1,11 +1,11 @@
 """Stable-Baselines3's A2C on our protocol, configured as a2c_atari.py's defaults: the peer run.
 
-The same game as every script here (utils.make_env: ALE v5 with sticky actions 0.25, FIRE only
-at a game's start, a lost life terminal for the learner, clipped rewards, full-game returns
-logged), and a2c_atari.py's settings: 16 envs x 32 steps, GAE 0.95, vf_coef 0.5, ent_coef 0.01,
-gradient norm 0.5, PyTorch's RMSprop (lr 7e-4, alpha 0.99, eps 1e-5: SB3's default A2C
-optimizer), no advantage normalization, SB3's Nature CNN (ReLU where our Agent has GELU before
-the heads). It logs what learning.py reads (charts/episodic_return at the agent step where a
+a2c_atari.py's game (its Args' game block, played by utils.make_env: ALE v5 with sticky actions
+0.25, FIRE only at a game's start, a lost life terminal for the learner, clipped rewards,
+full-game returns logged) and settings, read from its Args: 16 envs x 32 steps, GAE 0.95,
+vf_coef 0.5, ent_coef 0.01, gradient norm 0.5, PyTorch's RMSprop (lr 7e-4, alpha 0.99, eps
+1e-5: SB3's default A2C optimizer), no advantage normalization; SB3's Nature CNN (ReLU where
+our Agent has GELU before the heads). It logs what learning.py reads (charts/episodic_return at the agent step where a
 game ended), prints the scripts' progress line, checkpoints and resumes as they do.
 SB3 is a benchmark-only dependency: pip install -r benchmarks/requirements.txt
 Run: python benchmarks/sb3_a2c.py --seed 1 --total-timesteps 2000000
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import a2c_atari  # noqa: E402  (its Args: the game and the settings copied here)
 import utils  # noqa: E402
 
 
@@ -28,7 +29,6 @@ def main():
     parser.add_argument("--env-id", default="Breakout-v5")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--total-timesteps", type=int, default=2_000_000)
-    parser.add_argument("--num-envs", type=int, default=16)
     parser.add_argument("--runs-dir", default="runs")
     parser.add_argument("--exp-name", default="sb3_a2c")
     parser.add_argument("--save-interval", type=int, default=100_000, help="agent steps between checkpoints")
@@ -50,12 +50,16 @@ def main():
     writer = SummaryWriter(str(run_dir), purge_step=start_step + 1 if checkpoint else None)
     stop = utils.StopSignal(run_dir / "checkpoint.pt")
 
+    ours = a2c_atari.Args()
+    assert ours.optimizer == "rmsprop" and ours.rms_alpha == 0.99 and not ours.anneal_lr  # SB3's RMSprop, constant
+    game = utils.game_settings(ours)
     env_seed = args.seed + 1_000_003 * start_step  # envs cannot be checkpointed: a resume reseeds them
-    envs = DummyVecEnv([utils.make_env(args.env_id, env_seed + i, True) for i in range(args.num_envs)])
+    envs = DummyVecEnv([utils.make_env(args.env_id, env_seed + i, game) for i in range(ours.num_envs)])
     model = A2C(
-        "CnnPolicy", envs, learning_rate=7e-4, n_steps=32, gamma=0.99, gae_lambda=0.95, ent_coef=0.01,
-        vf_coef=0.5, max_grad_norm=0.5, use_rms_prop=True, rms_prop_eps=1e-5, normalize_advantage=False,
-        seed=env_seed, device="cpu", verbose=0,
+        "CnnPolicy", envs, learning_rate=ours.learning_rate, n_steps=ours.num_steps, gamma=ours.gamma,
+        gae_lambda=ours.gae_lambda, ent_coef=ours.ent_coef, vf_coef=ours.vf_coef, max_grad_norm=ours.max_grad_norm,
+        use_rms_prop=True, rms_prop_eps=ours.rms_eps, normalize_advantage=ours.norm_adv, seed=env_seed,
+        device="cpu", verbose=0,
     )  # fmt: skip
     if checkpoint is not None:
         model.policy.load_state_dict(checkpoint["policy"])
