@@ -126,7 +126,7 @@ MUTANTS = [
      "frac = 1.0 - (iteration - 1.0) / args.num_iterations",
      "frac = 1.0 - (iteration - 1.0 - start_iteration) / args.num_iterations", RESUME),
     ("native optimizer state not restored", "ppo_atari_native.py",
-     'optimizer.load_state_dict(checkpoint["optimizer"])', "pass", RESUME),
+     'utils.load_optimizer(optimizer, checkpoint["optimizer"], hyper)', "pass", RESUME),
     ("native RNG states not restored", "ppo_atari_native.py",
      'utils.set_rng_states(checkpoint["rng"], device)', "pass", RESUME),
     ("checkpoint written in place, not atomically", "utils.py",
