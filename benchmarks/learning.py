@@ -17,7 +17,8 @@ beside the runs of the same algorithm, where they fall inside the plot's steps.
 matplotlib is needed for the plot only: pip install -r benchmarks/requirements.txt
 Run: python benchmarks/learning.py --total-timesteps 500000 --seeds 1 2
      python benchmarks/learning.py --total-timesteps 2000000 --variants a2c sb3-a2c --at 1000000 2000000
-       (a2c_atari.py beside Stable-Baselines3's A2C with its settings: pip install -r benchmarks/requirements.txt)
+       (a2c_atari.py beside Stable-Baselines3's A2C with its settings; SB3, a benchmark-only
+       requirement, is installed from benchmarks/requirements.txt if it is missing)
      python benchmarks/learning.py --total-timesteps 500000 --schedule-timesteps 10000000
        (the first 500k steps of default 10M-step runs, stopped cleanly there)
      python benchmarks/learning.py --seeds 3 --variants a2c --append  (add runs to OUT.csv)
@@ -27,6 +28,7 @@ Run: python benchmarks/learning.py --total-timesteps 500000 --seeds 1 2
 
 import argparse
 import csv
+import importlib.util
 import os
 import platform
 import re
@@ -71,6 +73,7 @@ PUBLISHED = {
         [(10_000_000, 326.47)],
     ),
 }
+BENCHMARK_ONLY = {"sb3-a2c": "stable_baselines3"}  # variant -> a package of benchmarks/requirements.txt it needs
 ALGORITHM = {"baseline": "ppo", "a2c": "a2c", "sb3-a2c": "a2c"}  # variants not named here are "ppo" or "a2c" by prefix
 COLUMNS = ["script", "seed", "step", "wall_time_s", "return"]  # of OUT.csv
 PROGRESS = re.compile(r"step ([\d,]+)/")  # the scripts' progress line
@@ -337,6 +340,12 @@ def main():
     )  # fmt: skip
     args = parser.parse_args()
     out_csv, out_png = Path(args.out + ".csv"), Path(args.out + ".png")
+    requirements = "benchmarks/requirements.txt"
+    missing = [n for n in args.variants if n in BENCHMARK_ONLY and importlib.util.find_spec(BENCHMARK_ONLY[n]) is None]
+    if missing and not (args.plot_only or args.from_run):  # before the first run, not after hours of them
+        print(f"{' '.join(missing)} needs {requirements}: installing it", file=sys.stderr, flush=True)
+        if subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", str(ROOT / requirements)]).returncode:
+            sys.exit(f"error: pip install -r {requirements} failed; install it, then rerun")
 
     if args.from_run:
         name, seed, run_dir = args.from_run[0], int(args.from_run[1]), args.from_run[2]
