@@ -5,8 +5,9 @@ a2c_atari.py's game (its Args' game block, played by utils.make_env: ALE v5 with
 full-game returns logged) and settings, read from its Args: 16 envs x 32 steps, GAE 0.95,
 vf_coef 0.5, ent_coef 0.01, gradient norm 0.5, PyTorch's RMSprop (lr 7e-4, alpha 0.99, eps
 1e-5: SB3's default A2C optimizer), no advantage normalization; SB3's Nature CNN (ReLU where
-our Agent has GELU before the heads). It logs what learning.py reads (charts/episodic_return at the agent step where a
-game ended), prints the scripts' progress line, checkpoints and resumes as they do.
+our Agent has GELU before the heads). It logs what learning.py reads (charts/episodic_return
+at the agent step where a game ended), prints the scripts' progress line, checkpoints and
+resumes as they do.
 SB3 is a benchmark-only dependency: pip install -r benchmarks/requirements.txt
 Run: python benchmarks/sb3_a2c.py --seed 1 --total-timesteps 2000000
      (or as learning.py's variant sb3-a2c, beside a2c_atari.py)
