@@ -1,31 +1,36 @@
 #!/usr/bin/env bash
-# One command for a GPU machine: the GPU test tier (pytest -m cuda), the speed targets side by
-# side (benchmarks/gpu_targets.py), the fused kernels against eager (benchmarks/kernels.py) and
-# a short sweep (benchmarks/gpu_sweep.py --quick), written to one markdown report within a
-# 10-minute budget. The report is written however the run ends (the preflight stops, a part
-# fails or runs out of time, Ctrl-C), starting with the machine's own versions and saying for
-# each part whether it ran, stopped at its limit or did not run and why (benchmarks/gpu_report.py).
-# A GPU image's own torch and triton are kept: only missing requirements are installed, from a
-# folder of wheels (--wheels DIR, no network needed) into a venv that sees the image's packages.
-# A preflight stops with one line naming what is missing before anything runs.
-# Run: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight]
+# One command for a GPU machine: the speed targets side by side (benchmarks/gpu_targets.py), the
+# GPU test tier (pytest -m cuda), the fused kernels against eager (benchmarks/kernels.py) and a
+# short sweep (benchmarks/gpu_sweep.py --quick), written to one markdown report within a
+# 10-minute budget, the tier's whole log beside it (REPORT_tier.log). The report is written
+# however the run ends (the preflight stops, a part fails or runs out of time, Ctrl-C), starting
+# with the machine's own versions and saying for each part whether it ran, stopped at its limit
+# or did not run and why (benchmarks/gpu_report.py). A GPU image's own torch and triton are
+# kept: only missing requirements are installed, from a folder of wheels (--wheels DIR, no
+# network needed) into a venv that sees the image's packages. A preflight stops with one line
+# naming what is missing before anything runs. How to prepare the folder: docs/gpu.md.
+# Run: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight] [--help]
 # (--preflight runs only the preflight and writes no report; bad arguments exit 2, no report.)
 #
-# Timeline on a 16-core H100, estimated from the parts' sizes, test by test for the tier (limits in brackets):
+# Timeline on a 16-core H100, estimated from the parts' sizes (limits in brackets):
 #   preflight          10-20 s, 40-60 s when it makes the venv and installs wheels
 #   Triton warm-up     20-40 s [90]: ~25 kernel specializations and their launchers, once
-#   GPU tier          200-240 s [270]: about 800 s of tests on 4 pytest-xdist workers of 4 cores
-#                      each: ~500 s of script runs and kernel checks, ~300 s of four cold Inductor
-#                      compiles (60-120 s each), which are first in tests/test_gpu.py so that they
-#                      start at once and the other tests fill the workers around them (compiled in
-#                      the warm-up instead, they would run before the tier, not beside it);
-#                      serially (no xdist, under 8 cores, or a compute mode other than Default) it
-#                      is cut at its limit
-#   targets            90-120 s [150]: 8 script runs of 3 iterations
+#   targets           100-180 s [210]: 5 script runs of 3 iterations on a quiet machine, first
+#                      because they are the report's headline; the --compile run and the
+#                      256-env run are each stopped at 100 s
+#   GPU tier          200-250 s [300]: about 800 s of tests on 4 pytest-xdist workers of 4 cores
+#                      each. --dist loadgroup with no test grouped makes each test its own unit,
+#                      handed out in file order, one to each worker, then one more to a worker
+#                      whenever it has 2 or fewer pending. The four tests that cold-compile with
+#                      Inductor (60-120 s each) are the first four: one starts on each worker and
+#                      the other tests follow them. The two A2C optimizers compile in one child
+#                      process, so that the second meets Inductor's cache. Serially (no xdist,
+#                      under 8 usable cores, or a compute mode other than Default) it is cut at
+#                      its limit
 #   kernels            20-35 s [45]
 #   sweep              40-55 s [60]: cells started within 30 s
 #   report              5-10 s [40]
-# in all about 6.5-8.5 minutes; a part that would not fit in what is left of the 10 minutes is
+# in all about 7-9 minutes; a part that would not fit in what is left of the 10 minutes is
 # shortened or reported as not run, and the worst case (a part cut at the end of its share, its
 # 20 s kill grace, the report's 40 s) ends at 600 - RESERVE + 60 = 585 s.
 set -uo pipefail
@@ -40,14 +45,28 @@ export PYTHONUNBUFFERED=1
 RESERVE=75 # seconds kept back at the end: a part's 20 s kill grace, the report's 30 s (+10 s kill grace), 15 s spare
 
 usage() {
-    echo "gpu_check: $* (usage: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight])" >&2
+    echo "gpu_check: $* (usage: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight] [--help])" >&2
     exit 2
+}
+help() {
+    cat <<HELP
+usage: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight]
+The GPU check: the speed targets, the GPU test tier, the kernels and a short sweep, in one
+report ($report by default) with the tier's whole log beside it (REPORT_tier.log).
+  --wheels DIR   install the missing requirements from this folder of wheels (no network needed)
+  --report FILE  where the report goes
+  --preflight    only check what the machine has, write no report
+Worst case: $((600 - RESERVE + 60)) s from the start to the report written, under 10 minutes (give
+it a 600 s limit). How to prepare the wheel folder on a CPU machine first: docs/gpu.md.
+HELP
+    exit 0
 }
 while [ $# -gt 0 ]; do
     case $1 in
     --wheels) [ $# -ge 2 ] || usage "--wheels needs a folder"; wheels=$2; shift 2 ;;
     --report) [ $# -ge 2 ] || usage "--report needs a file"; report=$2; shift 2 ;;
     --preflight) preflight_only=1; shift ;;
+    --help | -h) help ;;
     *) usage "unknown argument $1" ;;
     esac
 done
@@ -199,22 +218,25 @@ section() {  # name, seconds it may take, command...: runs it within what is lef
     return 0
 }
 
-# the tier on 4 pytest-xdist workers of 4 cores each (tests/test_gpu.py gives each its slice),
-# serially where xdist is missing, the machine has under 8 cores, or the GPU's compute mode is
-# not Default (an exclusive mode gives one process at a time a CUDA context: the workers and the
+# the tier on 4 pytest-xdist workers of 4 usable cores each (a cgroup CPU quota counts:
+# utils.usable_cores; tests/test_gpu.py gives each worker its slice and Inductor its threads),
+# serially where xdist is missing, under 8 usable cores, or where the GPU's compute mode is not
+# Default (an exclusive mode gives one process at a time a CUDA context: the workers and the
 # scripts they start would be refused the GPU)
-workers=$("$python" -c 'import os; print(min(4, len(os.sched_getaffinity(0)) // 4))')
+cores=$("$python" -c 'import utils; print(utils.usable_cores()[0])')
+workers=$((cores / 4 < 4 ? cores / 4 : 4))
+export TORCHINDUCTOR_COMPILE_THREADS=$cores # Inductor counts the affinity mask, not a quota
 mode=$(limited 20 nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -n1)
 parallel=()
 [ "$workers" -ge 2 ] && [ "${mode:-Default}" = Default ] && "$python" -c "import xdist" 2>/dev/null &&
-    parallel=(-n "$workers")
+    parallel=(-n "$workers" --dist loadgroup)
 [ "${mode:-Default}" = Default ] || echo "gpu_check: compute mode $mode: the tier runs serially"
 
 section warm 90 "$python" benchmarks/triton_warm.py
+section targets 210 "$python" benchmarks/gpu_targets.py --iterations 3
 # -rfEP: the failures, and what passing tests print (the guard's gap under --compile)
-section tier 270 "$python" -m pytest -m cuda -q -rfEP -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
+section tier 300 "$python" -m pytest -m cuda -q -rfEP -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
     tests/test_gpu.py -k "not gpu_sweep"
-section targets 150 "$python" benchmarks/gpu_targets.py --iterations 3
 section kernels 45 "$python" benchmarks/kernels.py --no-aot
 section sweep 60 "$python" benchmarks/gpu_sweep.py --quick --time-limit 30
 # the report: written by finish, on this exit as on any other

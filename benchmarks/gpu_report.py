@@ -1,7 +1,9 @@
 """benchmarks/gpu_check.sh's report: the machine's own versions first, then one line per part
-(preflight, Triton warm-up, GPU tier, targets, kernels, sweep) saying whether it ran, stopped at
-its limit or did not run and why, then each part's output. Standard library only, and every
-import of the project's packages guarded, so that it writes a report whatever is missing.
+(preflight, Triton warm-up, targets, GPU tier, kernels, sweep) saying whether it ran, stopped at
+its limit or did not run and why, then each part's output, its head and tail where it is long
+(so that neither the first failure nor the summary is lost; gpu_check.sh keeps the tier's whole
+log beside the report). Standard library only, and every import of the project's packages
+guarded, so that it writes a report whatever is missing.
 Run by gpu_check.sh: python benchmarks/gpu_report.py WORK_DIR REPORT.md SECONDS
 """
 
@@ -17,12 +19,13 @@ from pathlib import Path
 # what gpu_check.sh runs, in order: (name in the work folder, title, command)
 SECTIONS = [
     ("warm", "Triton warm-up", "python benchmarks/triton_warm.py"),
-    ("tier", "GPU test tier", "pytest -m cuda tests/test_gpu.py -k 'not gpu_sweep'"),
     ("targets", "Speed targets", "python benchmarks/gpu_targets.py"),
+    ("tier", "GPU test tier", "pytest -m cuda tests/test_gpu.py -k 'not gpu_sweep'"),
     ("kernels", "Kernels", "python benchmarks/kernels.py --no-aot"),
     ("sweep", "Sweep, quick grid", "python benchmarks/gpu_sweep.py --quick"),
 ]
 MARKDOWN = {"targets", "sweep"}
+HEAD, TAIL = 8_000, 16_000  # characters of each part's output kept in the report
 # the distributions the project uses (requirements.txt, and what the GPU tier can use)
 PACKAGES = [
     "torch", "triton", "numpy", "gymnasium", "ale-py", "tyro", "tensorboard", "opencv-python-headless",
@@ -103,6 +106,13 @@ def versions():
     return lines
 
 
+def excerpt(text, head=HEAD, tail=TAIL):
+    """text, or its first `head` and last `tail` characters with a line saying what was left out."""
+    if len(text) <= head + tail:
+        return text
+    return f"{text[:head]}\n\n[... {len(text) - head - tail:,} characters left out ...]\n\n{text[-tail:]}"
+
+
 def tier_summary(output):
     """pytest's counts line (also printed after a KeyboardInterrupt) and its FAILED/ERROR lines."""
     lines = output.splitlines()
@@ -153,11 +163,14 @@ def main():
     failures = tier_summary(read(work, "tier"))[1]
     if failures:
         out += ["", "GPU tier failures:", "", *(f"- {line}" for line in failures)]
+    report.parent.mkdir(parents=True, exist_ok=True)
+    if read(work, "tier"):  # the report keeps its head and tail, the log all of it
+        shutil.copyfile(work / "tier", report.with_name(f"{report.stem}_tier.log"))
+        out += ["", f"The tier's whole log: {report.stem}_tier.log, beside this report."]
     for name, title, command in SECTIONS:
-        text = read(work, name)[-20_000:]
+        text = excerpt(read(work, name))
         if text:  # the targets and the sweep print markdown tables; the rest is log output
             out += ["", f"## {title} (`{command}`)", "", *([text] if name in MARKDOWN else ["```", text, "```"])]
-    report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text("\n".join(out) + "\n")
     print(f"report: {report}")
 

@@ -163,21 +163,23 @@ def test_the_report_needs_no_nvidia_smi_and_says_what_each_part_did(tmp_path, sm
     assert "| Sweep, quick grid | - | not run: the script ended before it |" in text
 
 
-def simulated_gpu_machine(tmp_path, mode=None, warm_up=""):
-    """A PATH on which gpu_check.sh's preflight passes as on a GPU machine with 16 cores: a
-    stand-in Python that logs each part's arguments to parts.log and runs the report with this
-    Python (`warm_up`: what the Triton warm-up part runs instead); nvidia-smi saying the GPU's
-    compute mode `mode` (None: no nvidia-smi); a C compiler that is never run."""
+def simulated_gpu_machine(tmp_path, mode=None, warm_up="", cores=16, tier=""):
+    """A PATH on which gpu_check.sh's preflight passes as on a GPU machine with `cores` usable
+    cores (utils.usable_cores): a stand-in Python that logs each part's arguments and Inductor's
+    compile threads to parts.log and runs the report with this Python (`warm_up`, `tier`: what
+    the Triton warm-up and the tier run besides); nvidia-smi saying the GPU's compute mode
+    `mode` (None: no nvidia-smi); a C compiler that is never run."""
     path = bin_with(tmp_path, "timeout", "tee", "head", "mkdir", "sleep")
     bin_dir, log = Path(path), tmp_path / "parts.log"
     tools = {
         "python": f"""#!/usr/bin/env bash
 case "$*" in
     -) cat >/dev/null ;;  # the preflight's list of missing requirements: none
-    *sched_getaffinity*) echo 4 ;;  # 4 workers of 4 cores
+    *usable_cores*) echo {cores} ;;
     *gpu_report.py*) exec {sys.executable} "$@" ;;
     *triton_warm.py*) echo "$*" >>{log}; {warm_up} ;;
-    *benchmarks/*|*"-m pytest"*) echo "$*" >>{log} ;;
+    *"-m pytest"*) echo "$* threads=$TORCHINDUCTOR_COMPILE_THREADS" >>{log}; {tier} ;;
+    *benchmarks/*) echo "$* threads=$TORCHINDUCTOR_COMPILE_THREADS" >>{log} ;;
 esac  # every other check of the preflight passes
 """,
         "gcc": "#!/bin/sh\nexit 1\n",
@@ -190,25 +192,51 @@ esac  # every other check of the preflight passes
     return bin_dir / "python", path, log
 
 
-@pytest.mark.parametrize("mode", ["Default", "Exclusive_Process"])
-def test_the_tier_runs_on_xdist_workers_unless_the_compute_mode_is_exclusive(tmp_path, mode):
-    """Every part runs, in order, the tier on 4 workers; under an exclusive compute mode, which
-    gives one process at a time the GPU, serially, and the report says why."""
-    python, path, log = simulated_gpu_machine(tmp_path, mode)
+@pytest.mark.parametrize("mode, cores", [("Default", 16), ("Exclusive_Process", 16), ("Default", 6)])
+def test_the_tier_runs_on_xdist_workers_unless_the_compute_mode_is_exclusive(tmp_path, mode, cores):
+    """Every part runs, in order: the targets on a quiet machine first, then the tier on 4
+    workers; under an exclusive compute mode, which gives one process at a time the GPU,
+    serially, and the report says why; serially too where a CPU quota leaves under 8 usable
+    cores, with Inductor's compile threads the usable cores, not the affinity mask."""
+    python, path, log = simulated_gpu_machine(tmp_path, mode, cores=cores)
     result, lines = gpu_check(python=python, path=path)
     assert result.returncode == 0, lines
     parts = log.read_text().splitlines()
     assert [part.split()[0] for part in parts] == [
-        "benchmarks/triton_warm.py", "-m", "benchmarks/gpu_targets.py", "benchmarks/kernels.py",
+        "benchmarks/triton_warm.py", "benchmarks/gpu_targets.py", "-m", "benchmarks/kernels.py",
         "benchmarks/gpu_sweep.py",
     ], parts  # fmt: skip
-    tier = parts[1].split()
-    serial = mode == "Exclusive_Process"
+    assert all(part.endswith(f" threads={cores}") for part in parts[1:]), parts
+    tier = parts[2].split()
+    serial = mode == "Exclusive_Process" or cores < 8
     assert (tier[tier.index("-n") + 1] if "-n" in tier else "serially") == ("serially" if serial else "4"), tier
-    assert ("compute mode Exclusive_Process: the tier runs serially" in result.stdout) == serial
+    assert ("--dist loadgroup" in parts[2]) == (not serial), tier
+    assert ("compute mode Exclusive_Process: the tier runs serially" in result.stdout) == (mode != "Default")
     report = result.report.read_text()
-    assert "| GPU test tier | 270 s | ran, " in report, report
-    assert ("the tier ran serially" in report) == serial, report
+    assert "| Speed targets | 210 s | ran, " in report and "| GPU test tier | 300 s | ran, " in report, report
+    assert ("the tier ran serially" in report) == (mode != "Default"), report
+
+
+def test_help_says_the_worst_case_and_where_the_wheels_are_prepared():
+    result = subprocess.run(["bash", str(CHECK), "--help"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    assert "Worst case: 585 s from the start to the report written, under 10 minutes" in result.stdout
+    assert "docs/gpu.md" in result.stdout and (ROOT / "docs" / "gpu.md").is_file()
+
+
+def test_the_report_keeps_the_head_and_tail_of_a_long_tier_and_its_whole_log_beside_it(tmp_path):
+    """pytest prints the failures' tracebacks first and the summary last: a long tier output
+    keeps both in the report, and the whole output is written beside it as REPORT_tier.log."""
+    tier = "echo 'FAILED first traceback'; printf '%0100000d\\n' 0; echo '= 1 failed in 9.00s ='"
+    python, path, _ = simulated_gpu_machine(tmp_path, tier=tier)
+    result, lines = gpu_check(python=python, path=path)
+    assert result.returncode == 0, lines
+    report = result.report.read_text()
+    assert "FAILED first traceback" in report and "= 1 failed in 9.00s =" in report, report[-3000:]
+    assert "characters left out" in report and len(report) < 40_000
+    log = result.report.with_name("gpu_check_tier.log").read_text()
+    assert log.startswith("FAILED first traceback") and "0" * 100_000 in log and log.endswith("= 1 failed in 9.00s =\n")
+    assert "The tier's whole log: gpu_check_tier.log, beside this report." in report
 
 
 def test_an_interrupt_stops_the_running_part_with_its_process_group(tmp_path):
@@ -304,20 +332,24 @@ def test_each_xdist_worker_of_the_gpu_tier_gets_its_own_cores():
     assert worker_cores("gw1", 4, range(2)) == {0, 1}  # fewer cores than workers: shared
 
 
-def test_the_readme_downloads_every_wheel_the_preflight_may_ask_for():
+def test_the_docs_download_every_wheel_the_preflight_may_ask_for():
     """The preflight installs what is missing from --wheels DIR with --no-index: a package that
-    the README's download command leaves out stops it (opencv-python-headless did). pytest-xdist
-    and execnet among them: without them the tier runs serially and cannot fit its limit."""
-    script, readme = CHECK.read_text(), (ROOT / "README.md").read_text()
+    docs/gpu.md's download commands leave out stops it (opencv-python-headless did). The short
+    command has what the GPU image lacks; the long one every requirement the preflight checks,
+    pytest-xdist and execnet among them (without them the tier runs serially, past its limit)."""
+    script, doc = CHECK.read_text(), (ROOT / "docs" / "gpu.md").read_text()
     modules = re.search(r"modules = (\{.*?\})", script, re.S)[1]
     assert '"xdist": "pytest-xdist"' in modules and '"execnet": "execnet"' in modules, modules
     pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M))
-    command = readme[readme.index("pip download") : readme.index("```", readme.index("pip download"))]
+    commands = [doc[i : doc.index("```", i)] for i in [m.start() for m in re.finditer("pip download", doc)]]
+    assert len(commands) == 2, commands
+    for name in ("gymnasium", "ale-py", "tyro"):
+        assert f"{name}=={pins[name]}" in commands[0], name
     for name in re.findall(r'"[a-z_0-9]+": "([a-z0-9-]+)"', modules):
         if name in ("torch", "triton"):  # the image's own, named in the paragraph after the command
-            assert f"`torch=={pins['torch']} triton=={pins['triton']}`" in readme
+            assert f"`torch=={pins['torch']} triton=={pins['triton']}`" in doc
         else:
-            assert f"{name}=={pins[name]}" in command, name
+            assert f"{name}=={pins[name]}" in commands[1], name
 
 
 def test_the_gpu_tiers_compile_tests_start_first():
