@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,23 +41,27 @@ def script_env(**extra):
     return env
 
 
-def stop_after_first_progress(script, args, sig, timeout=300):
+def stop_after_first_progress(script, args, sig, timeout=300, env=None):
     """Run `python script args`, send `sig` at its first progress line (the end of its first
-    iteration), and wait for it to exit; returns its returncode, stdout and stderr."""
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=script_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if "SPS:" in line:
-                proc.send_signal(sig)
-                break
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        proc.kill()
+    iteration), and wait for it to exit; returns its returncode, stdout and stderr. stderr goes
+    to a file: a child that filled an unread pipe (TORCH_LOGS) would block before that line."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=script_env(**(env or {})),
+            stdout=subprocess.PIPE, stderr=stderr, text=True,
+        )  # fmt: skip
+        try:
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if "SPS:" in line:
+                    proc.send_signal(sig)
+                    break
+            out, _ = proc.communicate(timeout=timeout)
+        finally:
+            proc.kill()
+        stderr.seek(0)
+        err = stderr.read()
     return SimpleNamespace(returncode=proc.returncode, stdout="".join(lines) + out, stderr=err)
 
 
@@ -156,6 +161,15 @@ def worker_cores(worker, workers, cores):
         return set(cores)  # fewer cores than workers: all share them
     first = index * q + min(index, r)
     return set(cores[first : first + q + (index < r)])
+
+
+def tier_cores(worker, workers):
+    """The cores GPU-tier worker `worker` of `workers` keeps to: its slice (worker_cores) of as
+    many of this process's cores as utils.usable_cores allows, a cgroup CPU quota included."""
+    import utils
+
+    usable, _ = utils.usable_cores()
+    return worker_cores(worker, workers, sorted(os.sched_getaffinity(0))[:usable])
 
 
 @pytest.fixture

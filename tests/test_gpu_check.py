@@ -3,6 +3,7 @@ preflight stops with one line naming what is missing (a requirement, a wheel, a 
 GPU) before any tier runs, and a benchmark never blocks on its child's output."""
 
 import ast
+import math
 import os
 import re
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, worker_cores
+from conftest import ROOT, tier_cores, worker_cores
 
 CHECK = ROOT / "benchmarks" / "gpu_check.sh"
 
@@ -353,13 +354,33 @@ def test_the_docs_download_every_wheel_the_preflight_may_ask_for():
 
 
 def test_the_gpu_tiers_compile_tests_start_first():
-    """xdist hands out tests in file order: the tier's cold Inductor compiles (a minute or two
-    each) come first in tests/test_gpu.py, so that they start at once and not last."""
+    """xdist (--dist loadgroup) hands out tests in file order, one to each of the 4 workers
+    first: the tier's four cold Inductor compiles (a minute or two each) are the first four
+    tests collected from tests/test_gpu.py, so that each worker starts one, and none starts last."""
     text = (ROOT / "tests" / "test_gpu.py").read_text()
     tests = [node for node in ast.parse(text).body if getattr(node, "name", "").startswith("test_")]
     sources = [ast.get_source_segment(text, node) for node in tests]
-    compiling = [i for i, source in enumerate(sources) if '"--compile"' in source or "compile=True" in source]
-    assert len(compiling) >= 2 and compiling == list(range(len(compiling))), [node.name for node in tests]
+    compiling = [i for i, source in enumerate(sources) if '"--compile"' in source or "gpu_updates.py" in source]
+    assert compiling == list(range(len(compiling))), [node.name for node in tests]
+    values = [
+        [len(d.args[1].elts) for d in tests[i].decorator_list if "parametrize" in ast.unparse(d)] for i in compiling
+    ]
+    items = sum(math.prod(v) for v in values)  # a parametrized test is one item per value
+    assert items == 4, [tests[i].name for i in compiling]
+
+
+def test_the_gpu_tiers_workers_share_the_usable_cores_under_a_quota(monkeypatch, tmp_path):
+    """A 16-CPU quota on a 64-core affinity: 4 workers get 4 cores each, not 16 (each with a
+    compile pool and env threads of that size), and without the quota 16 each."""
+    import utils
+
+    monkeypatch.setattr(utils.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(utils.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(utils, "CGROUP_CPU_MAX", tmp_path / "cpu.max")
+    for quota, each in [("1600000 100000", 4), ("max 100000", 16)]:
+        (tmp_path / "cpu.max").write_text(quota + "\n")
+        slices = [tier_cores(f"gw{i}", 4) for i in range(4)]
+        assert [len(s) for s in slices] == [each] * 4 and len(set().union(*slices)) == 4 * each, slices
 
 
 def test_the_triton_warm_up_runs_both_policy_steps_for_every_batch():
