@@ -202,24 +202,26 @@ def env_threads(requested, device, num_batches, batch_size, local_rank=0, local_
 
 # ----------------------------------------------------------------------------- GPU batching
 # Each env batch has its own stream, pinned host buffers and events, used by the rules in
-# docs/rollout.md ("Streams and events"). On CPU a stream is None (torch.cuda.stream(None) does
-# nothing) and an event records and waits for nothing.
+# docs/rollout.md ("Streams and events"). On CPU a stream is None (on_stream enters nothing for
+# it) and an event records and waits for nothing.
 def new_stream(device: torch.device):
     return torch.cuda.Stream(device) if device.type == "cuda" else None
 
 
+def on_stream(stream):  # torch.cuda.stream(None) would still initialize CUDA where it is available
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
 def fork_streams(streams):
     """Each stream waits for the default stream's work so far; no host sync."""
-    for stream in streams:
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
+    for stream in (stream for stream in streams if stream is not None):
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
 
 
 def join_streams(streams):
     """The default stream waits for each stream's work so far; no host sync."""
-    for stream in streams:
-        if stream is not None:
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
+    for stream in (stream for stream in streams if stream is not None):
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 def new_event(device: torch.device):
@@ -272,8 +274,7 @@ def drive(rollouts, mode, pool=None):
     if mode == "threads":
         list(pool.map(run_through, rollouts))
     elif mode == "sequential":
-        for rollout in rollouts:
-            run_through(rollout)
+        list(map(run_through, rollouts))
     else:
         while rollouts:  # each next() runs a batch to its next wait
             rollouts = [rollout for rollout in rollouts if next(rollout, StopIteration) is not StopIteration]
@@ -334,7 +335,7 @@ class BatchedRollout:
         rollout moves to step 0."""
         kernels = self.kernels
         for b, frames in enumerate(np.split(self.envs.reset(), len(self.slices))):
-            with torch.cuda.stream(self.streams[b]):
+            with on_stream(self.streams[b]):
                 kernels.stage_frames(self.staging_np[b], frames, ended=slice(None))
                 self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
                 prev, out = self.obs[self.T - 1, self.slices[b]], self.obs[self.T, self.slices[b]]
@@ -368,7 +369,7 @@ class BatchedRollout:
     def launch(self, t, b, frames=None, ended=()):
         """Queue batch b's step t on its stream: new frames in, the policy, actions out, the event."""
         kernels = self.kernels
-        with torch.cuda.stream(self.streams[b]), self.profiler("launch"):
+        with on_stream(self.streams[b]), self.profiler("launch"):
             if frames is not None:
                 kernels.stage_frames(self.staging_np[b], frames, ended)
                 self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
@@ -422,9 +423,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
             raise UsageError(f"--precision bf16: not supported by {torch.cuda.get_device_name(device)}")
     else:
         has_bf16 = cpu_has_bf16()
-    if precision == "auto":
-        return "bf16" if has_bf16 else "fp32"
-    return precision
+    return ("bf16" if has_bf16 else "fp32") if precision == "auto" else precision
 
 
 def cpu_has_bf16() -> bool:

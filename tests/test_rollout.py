@@ -188,3 +188,20 @@ def test_the_full_action_set_runs_on_the_module_step_as_on_the_fused_one():
     assert torch.equal(fused["actions"], module["actions"]) and fused["actions"].max() >= 9
     for name in ("logprobs", "values"):
         torch.testing.assert_close(module[name], fused[name], rtol=1e-5, atol=1e-5)
+
+
+def test_a_cpu_rollout_makes_no_cuda_call_where_cuda_is_available(monkeypatch):
+    """On a GPU machine a --device cpu run's streams are None: entering one must not touch CUDA
+    (torch.cuda.stream(None) asks for the current device, which initializes CUDA)."""
+    calls = []
+
+    def no_cuda(*args, **kwargs):
+        calls.append(args)
+        raise AssertionError("a CUDA call from a CPU rollout")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("current_device", "_lazy_init", "current_stream", "set_device"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    agent = state_dependent_agent(4)
+    (storage,) = collect(agent, 4, 2, 8, 1, seed=3)
+    assert not calls and storage["actions"].shape == (9, 4)
