@@ -58,3 +58,29 @@ def test_fp32_linear_gelu_keeps_float32_accuracy():
     out = kernels.linear_gelu(x, w, b)
     assert gpu_kernels.check_linear_gelu(out, x, w, b)[0]
     assert not gpu_kernels.check_linear_gelu(out + 1e-4, x, w, b)[0]
+
+
+def test_float32_sum_error_bounds_a_float32_sum():
+    """K * 2**-23 * sum |x w|: 4 * 2**-23 * 4 for ones, and above float32's real error."""
+    ones = torch.ones(1, 4)
+    assert gpu_kernels.float32_sum_error(ones, torch.ones(2, 4)).tolist() == [[16 * 2**-23] * 2]
+    x, w, _ = (t.float() for t in bf16_operands(17, seed=3))
+    error = (x @ w.T - x.double() @ w.double().T).abs()
+    assert (error <= gpu_kernels.float32_sum_error(x, w)).all()
+
+
+def test_bf16_linear_gelu_allows_float32s_summation_error_where_a_sum_cancels():
+    """Where x @ w.T + b nearly cancels, a float32 sum a few float32 steps of sum |x w| off is
+    many bf16 steps of the sum off: the check allows it there, as the kernel sums in float32."""
+    x, w, b = bf16_operands(2, seed=2)
+    total = x.double() @ w.double().T + b.double()
+    i, j = divmod(total.abs().argmin().item(), total.shape[1])
+    b[j] -= total[i, j]  # output [i, j] now sums to (nearly) 0
+    out = kernels.linear_gelu(x, w, b)
+    off = out.clone()
+    shift = 0.5 * gpu_kernels.float32_sum_error(x, w)[i, j]
+    off[i, j] = torch.nn.functional.gelu(shift).bfloat16().float()  # the sum off by `shift`
+    assert gpu_kernels.check_linear_gelu(out, x, w, b)[0]
+    assert gpu_kernels.check_linear_gelu(off, x, w, b)[0], gpu_kernels.check_linear_gelu(off, x, w, b)
+    off[i, j] = torch.nn.functional.gelu(8 * shift).bfloat16().float()  # beyond the bound (GELU' is 0.5 at 0)
+    assert not gpu_kernels.check_linear_gelu(off, x, w, b)[0]
