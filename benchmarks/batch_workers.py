@@ -40,7 +40,7 @@ def main():
                 batches, driver = runs[i]
                 extra = ["--num-envs", args.num_envs, "--num-gpu-batches", batches, "--driver", driver]
                 extra += ["--update-epochs", "0"]
-                _, rollout = run("ppo_atari_native.py", extra, args.iterations * args.num_envs * 128, runs_dir)
+                rollout = run("ppo_atari_native.py", extra, args.iterations * args.num_envs * 128, runs_dir).rollout
                 results[runs[i]].append(rollout)
                 print(f"round {r + 1}: {batches} batches, {driver}: {rollout:,} steps/s", file=sys.stderr, flush=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"

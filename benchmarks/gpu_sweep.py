@@ -20,8 +20,9 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections import deque
+from collections import deque, namedtuple
 from pathlib import Path
 
 import torch
@@ -35,25 +36,50 @@ NUM_ENVS = [16, 64, 128, 256, 512]
 BATCHES = [1, 2, 4, 8]
 QUICK = ([16, 64], [1, 8])
 PROGRESS = re.compile(r"step ([\d,]+)/[\d,]+  SPS: (\d+)(?: \(rollout (\d+)\))?")
+# steps/s end to end and rollout only, and the seconds from the start to the first progress line
+Run = namedtuple("Run", "end_to_end rollout startup")
 
 
-def run(script, extra, budget, runs_dir):
-    """(end-to-end steps/s, rollout-only steps/s) of one run of `script`: end to end between its
-    first and last progress line, rollout from the last line's rollout figure."""
+class Stopped(RuntimeError):
+    """A run stopped at its time limit."""
+
+
+def run(script, extra, budget, runs_dir, timeout=None):
+    """Run(end_to_end, rollout, startup) of one run of `script`: end to end between its first and
+    last progress line, rollout from the last line's rollout figure, startup from its start to
+    the first line (the first iteration included). RuntimeError if it fails; Stopped, killed,
+    after `timeout` seconds."""
     command = [sys.executable, str(ROOT / script), *map(str, extra), "--total-timesteps", str(budget)]
-    command += ["--runs-dir", runs_dir]
+    command += ["--runs-dir", str(runs_dir)]
+    began = time.perf_counter()
     # one pipe for both: a child that fills an unread stderr pipe would block, and this with it
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped = threading.Event()
+
+    def stop():
+        stopped.set()
+        process.kill()
+
+    timer = threading.Timer(timeout, stop) if timeout else None
+    if timer:
+        timer.start()
     marks, tail = [], deque(maxlen=40)
-    for line in process.stdout:
-        tail.append(line)
-        match = PROGRESS.search(line)
-        if match:
-            marks.append((int(match.group(1).replace(",", "")), time.perf_counter(), int(match.group(3) or 0)))
-    if process.wait() != 0 or len(marks) < 2:
+    try:
+        for line in process.stdout:
+            tail.append(line)
+            match = PROGRESS.search(line)
+            if match:
+                marks.append((int(match.group(1).replace(",", "")), time.perf_counter(), int(match.group(3) or 0)))
+        code = process.wait()
+    finally:
+        if timer:
+            timer.cancel()
+    if stopped.is_set():
+        raise Stopped(f"{' '.join(command)} stopped at its {timeout:.0f} s limit:\n{''.join(tail)[-2000:]}")
+    if code != 0 or len(marks) < 2:
         raise RuntimeError(f"{' '.join(command)} failed:\n{''.join(tail)[-2000:]}")
     (step0, t0, _), (step1, t1, rollout) = marks[0], marks[-1]
-    return (step1 - step0) / (t1 - t0), rollout
+    return Run((step1 - step0) / (t1 - t0), rollout, t0 - began)
 
 
 def run_cell(num_envs, batches, iterations, runs_dir):
@@ -103,7 +129,7 @@ def main():
                     row = f"| {num_envs} | {ceiling:,.0f} | {batches} | not run (time limit) | | |"
                 else:
                     try:
-                        end_to_end, rollout = run_cell(num_envs, batches, args.iterations, runs_dir)
+                        end_to_end, rollout, _ = run_cell(num_envs, batches, args.iterations, runs_dir)
                         row = (
                             f"| {num_envs} | {ceiling:,.0f} | {batches} | {end_to_end:,.0f} | {rollout:,} "
                             f"| {rollout / ceiling:.0%} |"

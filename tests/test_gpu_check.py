@@ -324,6 +324,61 @@ def test_a_benchmark_run_does_not_block_on_a_child_that_fills_stderr(tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == "300", result.stderr[-2000:]
 
 
+def test_a_benchmark_run_is_stopped_at_its_limit_and_says_so(tmp_path):
+    """gpu_sweep.run: Run(end_to_end, rollout, startup) of a run that finishes; a run that hangs
+    after its first progress line (a cold compile, 256 seeded resets) is killed at its limit."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_sweep
+
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import sys, time\n"
+        "time.sleep(0.5)\n"
+        "print('step 128/384  SPS: 100 (rollout 200)', flush=True)\n"
+        "print('step 256/384  SPS: 100 (rollout 300)', flush=True)\n"
+        "time.sleep(float(sys.argv[sys.argv.index('--total-timesteps') + 1]) / 1000)\n"
+    )
+    done = gpu_sweep.run(child, [], 384, tmp_path, timeout=30)
+    assert done.rollout == 300 and done.startup >= 0.5 and done.end_to_end > 0, done
+    began = time.perf_counter()
+    with pytest.raises(gpu_sweep.Stopped, match="stopped at its 2 s limit"):
+        gpu_sweep.run(child, [], 60_000, tmp_path, timeout=2)
+    assert time.perf_counter() - began < 20
+
+
+def test_the_targets_print_each_row_as_it_finishes_and_go_on_past_a_stopped_run(monkeypatch, capsys):
+    """gpu_targets.py: the five runs in order, the --compile and 256-env ones under a 100 s limit;
+    a run stopped at its limit is reported so, the next one still runs, and the summary gives
+    the targets' ratios from the runs that finished."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_sweep
+    import gpu_targets
+
+    calls = []
+
+    def fake_run(script, extra, budget, runs_dir, timeout=None):
+        calls.append((script, extra, timeout))
+        if "--compile" in extra:
+            raise gpu_sweep.Stopped("stopped at its 100 s limit")
+        speed = 1000.0 if "baseline" in script else 4000.0 + 1000 * len(calls)
+        return gpu_sweep.Run(speed, 2 * int(speed), 7.0)
+
+    monkeypatch.setattr(gpu_targets, "run", fake_run)
+    monkeypatch.setattr(gpu_targets.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_targets.torch.cuda, "get_device_name", lambda: "a GPU")
+    monkeypatch.setattr(sys, "argv", ["gpu_targets.py", "--iterations", "3"])
+    gpu_targets.main()
+    out = capsys.readouterr().out
+    assert [c[2] for c in calls] == [None, None, None, 100, 100], calls
+    assert calls[3][1] == [*gpu_targets.HEADLINE, "--compile"] and "--num-envs" in calls[4][1], calls
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| run")]
+    assert [row.split(" | ")[0] for row in rows] == [f"| {name}" for name, *_ in gpu_targets.RUNS], rows
+    assert rows[3] == "| headline, --compile | stopped at its limit | | | |", rows
+    assert rows[4].startswith("| 256 envs x 8 batches, 32 steps | 9,000 | 18,000 | 7 | 9.00x |"), rows
+    assert "- headline command end to end: 7,000 steps/s (target >= 10,000)" in out
+    assert "- native / baseline end to end at 16 envs: 6.00x (target >= 4x)" in out
+
+
 def test_each_xdist_worker_of_the_gpu_tier_gets_its_own_cores():
     """gpu_check.sh runs the tier on pytest-xdist workers; each keeps to a disjoint slice of the
     cores (so its scripts see a cpuset, and utils.env_threads pins nothing)."""
