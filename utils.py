@@ -105,15 +105,16 @@ class ThreadedAtariEnvs:
         self.results = [None] * num_batches
 
     def reset(self, seed=None) -> np.ndarray:
-        """Reset every env; returns the first frames, uint8 [num_envs, 84, 84]."""
+        """Reset every env, the batches at once (a seeded reset reloads each env's ROM, and ale-py
+        releases the GIL); returns the first frames, uint8 [num_envs, 84, 84]."""
         seed = self.seed if seed is None else seed
         frames = np.empty((self.num_envs, *FRAME_SHAPE), dtype=np.uint8)
-        for b, env in enumerate(self.envs):
-            obs, info = seeded_reset(env, seed + b * self.batch_size)
+        with ThreadPoolExecutor(self.num_batches) as pool:
+            resets = list(pool.map(seeded_reset, self.envs, seed + self.batch_size * np.arange(self.num_batches)))
+        for b, (obs, info) in enumerate(resets):
             frames[self.slices[b]] = obs[:, -1]
             self.frame_number[self.slices[b]] = info["episode_frame_number"]
-        self.episode_return[:] = 0
-        self.episode_length[:] = 0
+        self.episode_return[:] = self.episode_length[:] = 0
         return frames
 
     def send(self, b: int, actions: np.ndarray):

@@ -205,3 +205,23 @@ def test_a_cpu_rollout_makes_no_cuda_call_where_cuda_is_available(monkeypatch):
     agent = state_dependent_agent(4)
     (storage,) = collect(agent, 4, 2, 8, 1, seed=3)
     assert not calls and storage["actions"].shape == (9, 4)
+
+
+def test_the_batches_reset_at_once_start_the_games_a_serial_reset_starts():
+    """ThreadedAtariEnvs.reset resets its batches on threads at once: each batch starts the games
+    that batch's own seeded reset alone starts (the same first frames and noop starts)."""
+    from ale_py.vector_env import AtariVectorEnv
+
+    env_id, settings = GAMES["default"]
+    envs = utils.ThreadedAtariEnvs(env_id, 8, 4, 4, 5, settings)
+    try:
+        frames, numbers = envs.reset(), envs.frame_number.copy()
+    finally:
+        envs.close()
+    for b in range(4):
+        alone = AtariVectorEnv(utils.rom_id(env_id), 2, **utils.ale_options(settings), num_threads=1, stack_num=1)
+        obs, info = utils.seeded_reset(alone, 5 + 2 * b)
+        alone.close()
+        assert np.array_equal(frames[2 * b : 2 * b + 2], obs[:, -1]), b
+        assert np.array_equal(numbers[2 * b : 2 * b + 2], info["episode_frame_number"]), b
+    assert len(set(numbers.tolist())) > 1, numbers  # the seeds' noop starts differ: the check can tell them apart
