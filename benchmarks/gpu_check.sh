@@ -223,9 +223,10 @@ section() {  # name, seconds it may take, command...: runs it within what is lef
 # serially where xdist is missing, under 8 usable cores, or where the GPU's compute mode is not
 # Default (an exclusive mode gives one process at a time a CUDA context: the workers and the
 # scripts they start would be refused the GPU)
-cores=$("$python" -c 'import utils; print(utils.usable_cores()[0])')
+cores=$("$python" -c 'import utils; print(utils.usable_cores()[0])' 2>/dev/null) || cores=0
 workers=$((cores / 4 < 4 ? cores / 4 : 4))
-export TORCHINDUCTOR_COMPILE_THREADS=$cores # Inductor counts the affinity mask, not a quota
+# Inductor counts the affinity mask, not a quota
+[ "$cores" -gt 0 ] && export TORCHINDUCTOR_COMPILE_THREADS=$cores
 mode=$(limited 20 nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -n1)
 parallel=()
 [ "$workers" -ge 2 ] && [ "${mode:-Default}" = Default ] && "$python" -c "import xdist" 2>/dev/null &&
