@@ -1,24 +1,31 @@
-"""Learning curves: return vs agent steps and vs wall time, for each script and seed.
+"""Compare scripts and your copies of them: learning curves paired by seed, on one game or several.
 
-Runs the scripts one after another (never two at once: they would share the cores), keeping
-each run under runs/learning/NAME (NAME from --out): the same command resumes a run that a stop
-or a lost machine cut short, from its checkpoint, and only reads a finished one. It reads every
-full-game return from their TensorBoard files, and writes
-  OUT.csv  rows (script, seed, step, wall_time_s, return)
-  OUT.png  return vs steps and return vs wall time (mean of the last 20 games, per run)
-and prints a summary: the mean return over the last 20 and the last 100 full games of each run,
-its wall time, the wall time at which each run's 20-game mean first reached the baseline's
-final one, the mean return of the games ended in each fifth of the run (the whole curve, not
-its end), and per script the mean over seeds of the last fifth with a 95% confidence interval
-(Student's t over seeds), and the paired difference of each script from the baseline (seed by
-seed, the seeds both ran) with its interval. An interval that contains 0 does not show a
-difference. SLM Lab's published Breakout-v5 points (PUBLISHED: each names its file) are drawn
-beside the runs of the same algorithm, where they fall inside the plot's steps.
-matplotlib is needed for the plot only: pip install -r benchmarks/requirements.txt
-Run: python benchmarks/learning.py --total-timesteps 500000 --seeds 1 2
+A variant is a name from VARIANTS, a script (my_ppo.py, labelled my_ppo), or 'LABEL=SCRIPT FLAGS'
+('lr2=ppo_atari_native.py --learning-rate 5e-4'; SCRIPT may also be a name from VARIANTS). Every
+variant runs on every game (--env-ids) with every seed, one run at a time (two would share the
+cores), in RUNS_DIR (default runs/learning/NAME, NAME from --out). The same command resumes a
+comparison cut short, run by run from the checkpoints, and only reads the runs already made:
+adding a variant or a seed later runs only what is new. Before anything runs, each script is
+imported and its flags parsed and checked as the script itself does them; a bad variant, label
+or game stops there with one line (exit code 2). A run that fails is named with its log's last
+lines and the others go on (exit code 1 at the end). --jobs N runs N at a time (their wall times
+then say less), --run-timeout kills a run that takes longer.
+
+Writes OUT.csv (label, game, seed, step, wall_time_s, return: every full game) and OUT.png
+(return against agent steps and wall time, mean of the last 20 games, per game), and prints per
+game: each run's end-of-run means, the mean return of the games ended in each fifth of the run,
+and per variant the last fifth's mean over seeds with its 95% interval (Student's t) and its
+difference from the reference (--reference, default the first variant), paired by seed; an
+interval that contains 0 shows no difference. Across games: human-normalized scores, their
+interquartile mean (IQM) with a 95% stratified bootstrap interval, and the probability that the
+variant beats the reference on a game (Agarwal et al., NeurIPS 2021, computed by rliable).
+TensorBoard: RUNS_DIR/tensorboard shows the runs as LABEL/GAME/seedN, with each run's flags in
+its HPARAMS tab; the command that opens it is printed. SLM Lab's published Breakout-v5 points
+(PUBLISHED) are drawn beside runs of the same algorithm, within the plot's steps.
+Needs benchmarks/requirements.txt (scipy, rliable, matplotlib), installed if missing.
+Run: python benchmarks/learning.py --variants a2c my_a2c.py --env-ids Breakout-v5 Pong-v5 --seeds 1 2 3 4
+     python benchmarks/learning.py --variants native-fp32 'lr2=ppo_atari_native.py --learning-rate 5e-4'
      python benchmarks/learning.py --total-timesteps 2000000 --variants a2c sb3-a2c --at 1000000 2000000
-       (a2c_atari.py beside Stable-Baselines3's A2C with its settings; SB3, a benchmark-only
-       requirement, is installed from benchmarks/requirements.txt if it is missing)
      python benchmarks/learning.py --total-timesteps 500000 --schedule-timesteps 10000000
        (the first 500k steps of default 10M-step runs, stopped cleanly there)
      python benchmarks/learning.py --seeds 3 --variants a2c --append  (add runs to OUT.csv)
@@ -27,22 +34,31 @@ Run: python benchmarks/learning.py --total-timesteps 500000 --seeds 1 2
 """
 
 import argparse
+import contextlib
 import csv
 import importlib.util
+import io
 import os
 import platform
 import re
+import shlex
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+import utils  # noqa: E402
 
 VARIANTS = {
     "baseline": ("ppo_atari_baseline.py", []),
@@ -53,10 +69,10 @@ VARIANTS = {
     "sb3-a2c": ("benchmarks/sb3_a2c.py", []),  # Stable-Baselines3's A2C as a2c_atari.py's defaults
     "a2c-rlzoo": ("a2c_atari.py", "--num-steps 5 --gae-lambda 1 --vf-coef 0.25 --optimizer rmsprop-tf".split()),
 }
+SET_HERE = ("--seed", "--total-timesteps", "--env-id", "--runs-dir", "--exp-name", "--resume", "--eval-checkpoint")
 WINDOW = 20  # games in the running mean, as in the issue's target
 LAST_GAMES = 100  # a second, less noisy end-of-run mean
-# Student's t, two-sided 95%, by degrees of freedom (seeds - 1); scipy is not a requirement
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+BOOTSTRAP = 2000  # rliable's resamples for the intervals across games
 # Published Breakout-v5 points under our protocol (sticky actions, a lost life terminal), each
 # with its source: algorithm -> (label, source, [(agent steps, mean return)]). SLM Lab's "frames"
 # are its vector env's steps times the envs (slm_lab/env/wrappers.py, tick_timestep): our agent steps.
@@ -73,10 +89,92 @@ PUBLISHED = {
         [(10_000_000, 326.47)],
     ),
 }
-BENCHMARK_ONLY = {"sb3-a2c": "stable_baselines3"}  # variant -> a package of benchmarks/requirements.txt it needs
-ALGORITHM = {"baseline": "ppo", "a2c": "a2c", "sb3-a2c": "a2c"}  # variants not named here are "ppo" or "a2c" by prefix
-COLUMNS = ["script", "seed", "step", "wall_time_s", "return"]  # of OUT.csv
+PUBLISHED_GAME = "Breakout-v5"
+COLUMNS = ["label", "game", "seed", "step", "wall_time_s", "return"]  # of OUT.csv
 PROGRESS = re.compile(r"step ([\d,]+)/")  # the scripts' progress line
+RUNNING, STOPPING = set(), threading.Event()  # the runs' processes, ended with this tool
+HPARAMS = ".hparams"  # the suffix of the event file this tool adds to a run (its flags)
+REQUIREMENTS = "benchmarks/requirements.txt"
+
+
+@dataclass
+class Variant:
+    label: str
+    script: Path
+    flags: list
+    hparams: dict = field(default_factory=dict)  # its parsed Args, for TensorBoard's HPARAMS tab
+
+
+class RunFailed(Exception):
+    pass
+
+
+def parse_variant(spec: str) -> Variant:
+    """A name from VARIANTS, SCRIPT [FLAGS] (labelled by the script's name), or LABEL=SCRIPT [FLAGS]."""
+    labelled = re.fullmatch(r"([^\s/=]+)=(.*)", spec, re.S)
+    label, rest = labelled.groups() if labelled else (None, spec)
+    try:
+        tokens = shlex.split(rest)
+    except ValueError as e:
+        raise utils.UsageError(f"variant {spec!r}: {e}")
+    if not tokens:
+        raise utils.UsageError(f"variant {spec!r}: no script")
+    first, flags = tokens[0], tokens[1:]
+    if first in VARIANTS:
+        script, table_flags = VARIANTS[first]
+        return Variant(label or first, ROOT / script, [*table_flags, *flags])
+    path = Path(first).expanduser()
+    if not path.is_file() and not path.is_absolute():
+        path = ROOT / path  # a script of this repository, from any directory
+    if path.suffix != ".py" or not path.is_file():
+        raise utils.UsageError(
+            f"variant {spec!r}: {first!r} is no script and no variant of the table ({', '.join(VARIANTS)})"
+        )
+    return Variant(label or path.stem, path.resolve(), flags)
+
+
+def check_variant(variant: Variant, index: int, env_id: str, total_timesteps: int):
+    """Import the variant's script and parse its flags as the script does, before any run: a
+    script that fails at import, an unknown flag or a value out of range stops here."""
+    label = variant.label
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*", label) or ".." in label:
+        raise utils.UsageError(f"label {label!r}: a name (letters, digits, _ . + = -), as it names the runs")
+    for flag in variant.flags:
+        if flag.split("=")[0] in SET_HERE:
+            raise utils.UsageError(
+                f"variant {label}: {flag.split('=')[0]} is set by learning.py (--seeds, --env-ids, "
+                "--total-timesteps, --runs-dir; the label names the runs)"
+            )
+    name = f"_variant_{index}_{variant.script.stem}"  # a copy and its original may share a name
+    spec = importlib.util.spec_from_file_location(name, variant.script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it is made
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise utils.UsageError(f"variant {label}: {variant.script} fails at import ({type(e).__name__}: {why})")
+    if not hasattr(module, "parse_args"):  # benchmarks/sb3_a2c.py: a2c_atari.py's settings, no flags of its own
+        if variant.flags:
+            raise utils.UsageError(f"variant {label}: {variant.script.name} takes no flags here")
+        return
+    argv = [str(variant.script), *variant.flags, "--env-id", env_id, "--total-timesteps", str(total_timesteps)]
+    captured = io.StringIO()
+    try:
+        with mock.patch.object(sys, "argv", argv), contextlib.redirect_stderr(captured):
+            with contextlib.redirect_stdout(captured):
+                parsed = module.parse_args()
+    except SystemExit:  # utils.cli's one line
+        raise utils.UsageError(f"variant {label}: {captured.getvalue().strip().removeprefix('error: ')}")
+    except utils.UsageError as e:
+        raise utils.UsageError(f"variant {label}: {e}")
+    skip = {"exp_name", "seed", "env_id", "runs_dir", "resume", "eval_checkpoint", "total_timesteps"}
+    variant.hparams = {
+        key: value if isinstance(value, (bool, int, float, str)) else str(value)
+        for key, value in vars(parsed).items()
+        if key not in skip
+    }
 
 
 def returns_of(run_dir):
@@ -91,6 +189,8 @@ def returns_of(run_dir):
 
     rows, start, offset, last_wall = [], None, 0.0, None
     for path in sorted(Path(run_dir).glob("events.out.tfevents.*")):
+        if path.name.endswith(HPARAMS):
+            continue
         for event in EventFileLoader(str(path)).Load():
             start = event.wall_time if start is None else start
             if event.HasField("session_log") and event.session_log.status == SessionLog.START:
@@ -112,9 +212,9 @@ def running_mean(values, window=WINDOW):
     return np.array([values[max(0, i + 1 - window) : i + 1].mean() for i in range(len(values))])
 
 
-def find_run(runs_dir, name, seed):
-    """The run directory of `name` and `seed` under runs_dir (the newest, if several), or None."""
-    found = sorted(Path(runs_dir).glob(f"*__{name}__{seed}__*"), key=lambda p: p.stat().st_mtime)
+def find_run(runs_dir, game, label, seed):
+    """The run directory of `label` on `game` with `seed` under runs_dir (the newest, if several), or None."""
+    found = sorted(Path(runs_dir).glob(f"{game}__{label}__{seed}__*"), key=lambda p: p.stat().st_mtime)
     return found[-1] if found else None
 
 
@@ -129,40 +229,112 @@ def checkpoint_step(run_dir):
     return 0, False
 
 
-def train(name, seed, total_timesteps, runs_dir, schedule_timesteps=None):
-    """Run one script to `total_timesteps`; with `schedule_timesteps`, run it as a run of that
-    length (its learning rate anneals over it, as in a default 10M-step run) and stop it with
-    SIGTERM (a clean stop) at the first iteration that reaches `total_timesteps`. A run of this
-    variant and seed already in runs_dir is resumed from its checkpoint (or read, if it got there)."""
-    script, extra = VARIANTS[name]
-    command = [sys.executable, str(ROOT / script), *extra, "--seed", str(seed)]
+def end_group(process, grace=60):
+    """Stop a run and everything it started (its own process group): SIGTERM, its clean stop with
+    a checkpoint, then SIGKILL if it has not ended within `grace` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(grace)
+            return
+
+
+def train(variant, game, seed, total_timesteps, runs_dir, schedule_timesteps=None, timeout=None, jobs=1):
+    """Run one variant to `total_timesteps`; returns (its run directory, its games). With
+    `schedule_timesteps`, run it as a run of that length (its learning rate anneals over it, as in
+    a default 10M-step run) and stop it with SIGTERM (a clean stop) at the first iteration that
+    reaches `total_timesteps`. A run of this variant, game and seed already in runs_dir is
+    resumed from its checkpoint (or read, if it got there). A run past `timeout` seconds is killed;
+    with `jobs` runs at a time, each gets its share of the cores for torch's threads."""
+    name = f"{variant.label} {game} seed {seed}"
+    command = [sys.executable, str(variant.script), *variant.flags, "--seed", str(seed), "--env-id", game]
     command += ["--total-timesteps", str(schedule_timesteps or total_timesteps)]
-    run_dir = find_run(runs_dir, name, seed)
+    run_dir = find_run(runs_dir, game, variant.label, seed)
     done, ended = checkpoint_step(run_dir) if run_dir is not None else (0, False)
     if ended or done >= total_timesteps:
-        print(f"{name} seed {seed}: read from {run_dir} ({done:,} steps)", file=sys.stderr, flush=True)
-        return [row for row in returns_of(run_dir) if row[0] <= done]
-    if done > 0:
-        command += ["--resume", str(run_dir)]
-    else:
-        command += ["--runs-dir", str(runs_dir), "--exp-name", name]
-    print(" ".join(command[1:]), file=sys.stderr, flush=True)
-    stop_step = None
+        print(f"{name}: read from {run_dir} ({done:,} steps)", file=sys.stderr, flush=True)
+        return run_dir, [row for row in returns_of(run_dir) if row[0] <= done]
+    command += ["--resume", str(run_dir)] if done > 0 else ["--runs-dir", str(runs_dir), "--exp-name", variant.label]
+    print(f"{name}: {shlex.join(command[1:])}", file=sys.stderr, flush=True)
+    # a copy outside the repository imports utils and kernels from it
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    if jobs > 1:  # OpenMP threads spin while they wait for each other: more than the cores wastes most of them
+        env.setdefault("OMP_NUM_THREADS", str(max(1, utils.usable_cores()[0] // jobs)))
+    stop_step, tail, timed_out = None, deque(maxlen=12), threading.Event()
     with tempfile.TemporaryFile("w+") as stderr:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
-        for line in process.stdout:
-            if line.startswith("run directory: "):
-                run_dir = line.removeprefix("run directory: ").strip()
-            progress = PROGRESS.search(line)
-            step = int(progress.group(1).replace(",", "")) if progress else 0
-            if stop_step is None and step >= total_timesteps:
-                stop_step = step
-                process.send_signal(signal.SIGTERM)
-        if process.wait() != 0 or run_dir is None:
+        # its own process group: a timeout, or a stop of this tool, ends it and anything it started
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, process_group=0
+        )
+        RUNNING.add(process)
+        if STOPPING.is_set():  # stopped while this run started
+            end_group(process)
+        timer = threading.Timer(timeout or 0, lambda: (timed_out.set(), end_group(process, grace=10)))
+        try:
+            if timeout:
+                timer.start()
+            for line in process.stdout:
+                tail.append(line.rstrip())
+                if line.startswith("run directory: "):
+                    run_dir = line.removeprefix("run directory: ").strip()
+                progress = PROGRESS.search(line)
+                step = int(progress.group(1).replace(",", "")) if progress else 0
+                if stop_step is None and step >= total_timesteps:
+                    stop_step = step
+                    process.send_signal(signal.SIGTERM)
+            code = process.wait()
+        finally:
+            timer.cancel()
+            if process.poll() is None:  # this tool was stopped: so is the run, with a checkpoint
+                end_group(process)
+            RUNNING.discard(process)
+        if code != 0 or run_dir is None:
             stderr.seek(0)
-            raise RuntimeError(f"{name} seed {seed} failed:\n{stderr.read()[-2000:]}")
+            lines = [*tail, *stderr.read().splitlines()][-12:]
+            why = f"killed after --run-timeout {timeout} s" if timed_out.is_set() else f"exit code {code}"
+            raise RunFailed(f"{name} failed ({why}); its log ends:\n" + "\n".join(f"    {x}" for x in lines))
     # a stop abandons the next rollout, whose games the baseline may already have logged
-    return [row for row in returns_of(run_dir) if stop_step is None or row[0] <= stop_step]
+    return run_dir, [row for row in returns_of(run_dir) if stop_step is None or row[0] <= stop_step]
+
+
+def link_run(view, variant, game, seed, run_dir):
+    """The run as LABEL/GAME/seedN under `view` (a link), and its flags for TensorBoard's HPARAMS tab
+    (an event file of its own in the run, so that the tab lists the run with its scalars)."""
+    link = Path(view) / variant.label / game / f"seed{seed}"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(Path(run_dir).resolve(), target_is_directory=True)
+    if any(Path(run_dir).glob(f"events.out.tfevents.*{HPARAMS}")):
+        return
+    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams
+
+    flags = {"label": variant.label, "script": str(variant.script), "flags": shlex.join(variant.flags)}
+    flags |= variant.hparams | {"env_id": game, "seed": seed}
+    writer = SummaryWriter(str(run_dir), filename_suffix=HPARAMS)
+    for summary in hparams(flags, {"charts/episodic_return": 0.0}):
+        writer.file_writer.add_summary(summary)
+    writer.close()
+
+
+def tensorboard_command(view):
+    tensorboard = Path(sys.executable).with_name("tensorboard")
+    return f"{tensorboard if tensorboard.exists() else 'tensorboard'} --logdir {view}"
+
+
+def algorithm_of(label):
+    return "a2c" if "a2c" in label else "ppo"
+
+
+def group(rows):
+    """(label, game, seed) -> [(step, wall time, return)], in the rows' order."""
+    runs = {}
+    for label, game, seed, step, wall, ret in rows:
+        runs.setdefault((label, game, seed), []).append((step, wall, ret))
+    return runs
 
 
 def plot(rows, path):
@@ -171,49 +343,46 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    runs = group(rows)
+    games = sorted({game for _, game, _ in runs})
+    fig, axes = plt.subplots(len(games), 2, figsize=(12, 4.5 * len(games)), squeeze=False)
     colors = {}
-    for (name, seed), run in sorted(group(rows).items()):
-        color = colors.setdefault(name, f"C{len(colors)}")
+    for (label, game, seed), run in sorted(runs.items()):
+        by_step, by_time = axes[games.index(game)]
+        color = colors.setdefault(label, f"C{len(colors)}")
         steps, times, returns = np.array(run).T
         mean = running_mean(returns)
-        label = name if seed == min(s for n, s in group(rows) if n == name) else None
-        by_step.plot(steps, mean, color=color, label=label, alpha=0.9)
-        by_time.plot(times / 60, mean, color=color, label=label, alpha=0.9)
-    last_step = max(float(step) for _, _, step, _, _ in rows)
-    for marker, algorithm in zip("^v", sorted({algorithm_of(name) for name, _ in group(rows)})):
-        label, _, points = PUBLISHED[algorithm]
-        shown = [(step, value) for step, value in points if step <= last_step * 1.05]
-        if shown:
-            by_step.plot(*zip(*shown), "k" + marker, label=label)
-    by_step.set_xlabel("agent steps")
-    by_time.set_xlabel("wall time (minutes)")
-    for ax in (by_step, by_time):
-        ax.set_ylabel(f"return (mean of last {WINDOW} games)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("Breakout-v5, one line per seed")
+        first = seed == min(s for n, g, s in runs if (n, g) == (label, game))
+        by_step.plot(steps, mean, color=color, label=label if first else None, alpha=0.9)
+        by_time.plot(times / 60, mean, color=color, label=label if first else None, alpha=0.9)
+    for (by_step, by_time), game in zip(axes, games):
+        if game == PUBLISHED_GAME:
+            last_step = max(run[-1][0] for (_, g, _), run in runs.items() if g == game)
+            for marker, algorithm in zip("^v", sorted({algorithm_of(label) for label, g, _ in runs if g == game})):
+                label, _, points = PUBLISHED[algorithm]
+                shown = [(step, value) for step, value in points if step <= last_step * 1.05]
+                if shown:
+                    by_step.plot(*zip(*shown), "k" + marker, label=label)
+        by_step.set_xlabel("agent steps")
+        by_time.set_xlabel("wall time (minutes)")
+        for ax in (by_step, by_time):
+            ax.set_title(f"{game}, one line per seed")
+            ax.set_ylabel(f"return (mean of last {WINDOW} games)")
+            ax.grid(alpha=0.3)
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
-def algorithm_of(name):
-    return ALGORITHM.get(name, "a2c" if name.startswith("a2c") else "ppo")
-
-
-def group(rows):
-    runs = {}
-    for name, seed, step, wall, ret in rows:
-        runs.setdefault((name, int(seed)), []).append((float(step), float(wall), float(ret)))
-    return runs
-
-
 def interval(values):
-    """(mean, half-width of the 95% t interval) over seeds; no interval from one seed."""
+    """(mean, half-width of the 95% Student's t interval) over seeds; no interval from one seed."""
+    from scipy import stats
+
     values = np.asarray(values, dtype=float)
     if len(values) < 2:
         return float(values.mean()), float("nan")
-    return float(values.mean()), T95[len(values) - 1] * float(values.std(ddof=1)) / np.sqrt(len(values))
+    t95 = stats.t.ppf(0.975, len(values) - 1)
+    return float(values.mean()), float(t95 * values.std(ddof=1) / np.sqrt(len(values)))
 
 
 def bounds(mean, half, sign=""):
@@ -221,95 +390,192 @@ def bounds(mean, half, sign=""):
     return "[no interval from 1 seed]" if np.isnan(half) else f"[{mean - half:{sign}.2f}, {mean + half:{sign}.2f}]"
 
 
-def summary(rows, marks=()):
-    runs = group(rows)
-    finals = {key: float(np.mean([r for _, _, r in run[-WINDOW:]])) for key, run in runs.items()}
-    base = [v for (name, _), v in finals.items() if name == "baseline"]
-    target = float(np.mean(base)) if base else None
+def mean_of(values):
+    return float(np.mean(values)) if len(values) else float("nan")
+
+
+def game_summary(runs, reference, marks):
+    """One game's tables from its runs, (label, seed) -> games; and (label -> seed -> the mean
+    return of the games ended in the last fifth of the run)."""
+    finals = {key: mean_of([r for _, _, r in run[-WINDOW:]]) for key, run in runs.items()}
+    ref = [v for (label, _), v in finals.items() if label == reference]
+    target = mean_of(ref) if ref else None
     lines = [
-        f"| script | seed | games | return, last {WINDOW} games | last {LAST_GAMES} games | wall time "
-        "| time to baseline's final return |"
+        f"| variant | seed | games | return, last {WINDOW} games | last {LAST_GAMES} games | wall time "
+        "| time to the reference's final return |",
+        "|---|---|---|---|---|---|---|",
     ]
-    lines.append("|---|---|---|---|---|---|---|")
-    for (name, seed), run in sorted(runs.items()):
+    for (label, seed), run in sorted(runs.items()):
         steps, times, returns = np.array(run).T
         mean = running_mean(returns)
         reached = "-"
         if target is not None:
             hits = np.flatnonzero(mean[WINDOW - 1 :] >= target)
             reached = f"{times[hits[0] + WINDOW - 1] / 60:.1f} min" if len(hits) else "not reached"
-        last = returns[-LAST_GAMES:].mean()
         lines.append(
-            f"| {name} | {seed} | {len(run)} | {finals[(name, seed)]:.2f} | {last:.2f} | {times[-1] / 60:.1f} min "
-            f"| {reached} |"
+            f"| {label} | {seed} | {len(run)} | {finals[(label, seed)]:.2f} | {returns[-LAST_GAMES:].mean():.2f} "
+            f"| {times[-1] / 60:.1f} min | {reached} |"
         )
     if target is not None:
-        lines.append(f"\nbaseline's final return (mean over its seeds of the last {WINDOW} games): {target:.2f}")
+        lines.append(f"\n{reference}'s final return (the reference: mean over its seeds of the last {WINDOW} games): "
+                     f"{target:.2f}")  # fmt: skip
     # the whole curve, not only its end: mean return of the games ended in each fifth of the run
-    last_step = max(max(step for step, _, _ in run) for run in runs.values())
-    edges = np.linspace(0, last_step, 6).round(-3).astype(int)
-    spans = [f"{lo // 1000}k-{hi // 1000}k" for lo, hi in zip(edges[:-1], edges[1:])]
-    lines += ["", "| script | seed | " + " | ".join(spans) + " |", "|---|---|" + "---|" * len(spans)]
+    last_step = max(run[-1][0] for run in runs.values())
+    big = last_step >= 5000
+    edges = np.linspace(0, last_step, 6).round(-3 if big else 0).astype(int)
+    spans = [f"{lo // 1000}k-{hi // 1000}k" if big else f"{lo}-{hi}" for lo, hi in zip(edges[:-1], edges[1:])]
+    lines += ["", "| variant | seed | " + " | ".join(spans) + " |", "|---|---|" + "---|" * len(spans)]
     last_fifth = {}
-    for (name, seed), run in sorted(runs.items()):
+    for (label, seed), run in sorted(runs.items()):
         steps, _, returns = np.array(run).T
-        means = [returns[(steps > lo) & (steps <= hi)].mean() for lo, hi in zip(edges[:-1], edges[1:])]
-        lines.append(f"| {name} | {seed} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
-        last_fifth.setdefault(name, {})[seed] = means[-1]
-    # per script, over its seeds: what the targets are about. The last fifth averages a few
-    # hundred games per run, so it is far less noisy than the last 20 games
-    lines += ["", f"| script | seeds | return, last {WINDOW} games: mean (range) | last fifth: mean (range) |"]
+        means = [mean_of(returns[(steps > lo) & (steps <= hi)]) for lo, hi in zip(edges[:-1], edges[1:])]
+        lines.append(f"| {label} | {seed} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
+        if not np.isnan(means[-1]):
+            last_fifth.setdefault(label, {})[seed] = means[-1]
+    # per variant, over its seeds; the last fifth averages a few hundred games per run, so it is
+    # far less noisy than the last 20 games
+    lines += ["", f"| variant | seeds | return, last {WINDOW} games: mean (range) | last fifth: mean (range) |"]
     lines.append("|---|---|---|---|")
-    for name in sorted(last_fifth):
-        final = np.array([v for (n, _), v in sorted(finals.items()) if n == name])
-        fifth = np.array(list(last_fifth[name].values()))
+    for label in sorted(last_fifth):
+        final = np.array([v for (n, _), v in sorted(finals.items()) if n == label])
+        fifth = np.array(list(last_fifth[label].values()))
         lines.append(
-            f"| {name} | {len(final)} | {final.mean():.2f} ({final.min():.2f}-{final.max():.2f}) "
+            f"| {label} | {len(final)} | {final.mean():.2f} ({final.min():.2f}-{final.max():.2f}) "
             f"| {fifth.mean():.2f} ({fifth.min():.2f}-{fifth.max():.2f}) |"
         )
-    # what the seeds support: the last fifth's mean with its 95% interval, and each script's
-    # paired difference from the baseline over the seeds both ran
-    lines += ["", "| script | seeds | last fifth: mean [95% CI] | minus baseline, paired by seed: mean [95% CI] |"]
+    # what the seeds support: the last fifth's mean with its 95% interval, and each variant's
+    # difference from the reference over the seeds both ran, seed by seed
+    lines += ["", f"| variant | seeds | last fifth: mean [95% CI] | minus {reference}, paired by seed: mean [95% CI] |"]
     lines.append("|---|---|---|---|")
-    base = last_fifth.get("baseline", {})
-    for name in sorted(last_fifth):
-        mean, half = interval(list(last_fifth[name].values()))
+    base = last_fifth.get(reference, {})
+    for label in sorted(last_fifth):
+        mean, half = interval(list(last_fifth[label].values()))
         paired = "-"
-        shared = sorted(set(last_fifth[name]) & set(base))
-        if name != "baseline" and shared:
-            diff, diff_half = interval([last_fifth[name][s] - base[s] for s in shared])
-            paired = f"{diff:+.2f} {bounds(diff, diff_half, '+')} ({len(shared)} seeds)"
-        lines.append(f"| {name} | {len(last_fifth[name])} | {mean:.2f} {bounds(mean, half)} | {paired} |")
+        shared = sorted(set(last_fifth[label]) & set(base))
+        if label != reference and shared:
+            diffs = [last_fifth[label][s] - base[s] for s in shared]
+            diff, diff_half = interval(diffs)
+            each = ", ".join(f"{s}: {d:+.2f}" for s, d in zip(shared, diffs))
+            paired = f"{diff:+.2f} {bounds(diff, diff_half, '+')} (seed {each})"
+        lines.append(f"| {label} | {len(last_fifth[label])} | {mean:.2f} {bounds(mean, half)} | {paired} |")
     # where the targets are set: the mean of the last LAST_GAMES games ended by each mark, per run
     if marks:
         head = " | ".join(f"at {mark / 1e6:g}M" for mark in marks)
-        lines += ["", f"| script | seed | {head} (last {LAST_GAMES} games by then) |"]
+        lines += ["", f"| variant | seed | {head} (last {LAST_GAMES} games by then) |"]
         lines.append("|---|---|" + "---|" * len(marks))
         at = {}
-        for (name, seed), run in sorted(runs.items()):
+        for (label, seed), run in sorted(runs.items()):
             steps, _, returns = np.array(run).T
-            means = [returns[steps <= mark][-LAST_GAMES:].mean() if (steps <= mark).any() else np.nan for mark in marks]
-            at.setdefault(name, []).append(means)
-            lines.append(f"| {name} | {seed} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
-        for name, values in sorted(at.items()):
+            means = [mean_of(returns[steps <= mark][-LAST_GAMES:]) for mark in marks]
+            at.setdefault(label, []).append(means)
+            lines.append(f"| {label} | {seed} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
+        for label, values in sorted(at.items()):
             values = np.array(values)
             cells = [f"{v.mean():.2f} ({v.min():.2f}-{v.max():.2f})" for v in values.T]
-            lines.append(f"| {name} | mean (range) of {len(values)} | " + " | ".join(cells) + " |")
-    lines += ["", "| published | points (agent steps: mean return) | source |", "|---|---|---|"]
-    for algorithm in sorted({algorithm_of(name) for name in last_fifth}):
-        label, source, points = PUBLISHED[algorithm]
-        text = ", ".join(f"{step / 1e6:g}M: {value:g}" for step, value in points)
-        lines.append(f"| {label} | {text} | {source} |")
+            lines.append(f"| {label} | mean (range) of {len(values)} | " + " | ".join(cells) + " |")
+    return lines, last_fifth
+
+
+def across_games(last_fifth, games, reference):
+    """Human-normalized last fifths, per variant a matrix of its seeds that ran every game by the
+    games: the IQM with its stratified bootstrap interval and the probability of improvement over
+    the reference (rliable)."""
+    from rliable import library as rly
+    from rliable import metrics
+
+    scores = {}
+    for label in sorted({label for by_label in last_fifth.values() for label in by_label}):
+        seeds = set.intersection(*(set(last_fifth[game].get(label, {})) for game in games))
+        normalized = [
+            [utils.human_normalized(utils.game_name(game), last_fifth[game][label][seed]) for game in games]
+            for seed in sorted(seeds)
+        ]
+        if seeds and all(score is not None for row in normalized for score in row):
+            scores[label] = np.array(normalized)
+    lines = ["", f"Across {', '.join(games)}: human-normalized last fifths (atari_scores.csv), the seeds that ran "
+             f"every game; IQM with its 95% stratified bootstrap interval ({BOOTSTRAP:,} resamples)", "",
+             f"| variant | runs per game | IQM [95% CI] | P({reference} is beaten on a game) [95% CI] |",
+             "|---|---|---|---|"]  # fmt: skip
+    if not scores:
+        return [*lines, "| (no variant ran every game to the last fifth) | | | |"]
+    iqm = lambda x: np.array([metrics.aggregate_iqm(x)])
+    point, ci = rly.get_interval_estimates(scores, iqm, reps=BOOTSTRAP, random_state=np.random.RandomState(0))
+    pairs = {label: (s, scores[reference]) for label, s in scores.items() if label != reference and reference in scores}
+    improve, improve_ci = {}, {}
+    if pairs:
+        improve, improve_ci = rly.get_interval_estimates(
+            pairs, metrics.probability_of_improvement, reps=BOOTSTRAP, random_state=np.random.RandomState(0)
+        )
+    for label, s in scores.items():
+        beats = "-"
+        if label in improve:
+            low, high = np.ravel(improve_ci[label])
+            beats = f"{float(improve[label]):.2f} [{low:.2f}, {high:.2f}]"
+        low, high = np.ravel(ci[label])
+        lines.append(f"| {label} | {len(s)} | {float(point[label][0]):.3f} [{low:.3f}, {high:.3f}] | {beats} |")
+    return lines
+
+
+def summary(rows, reference, marks=()):
+    runs = group(rows)
+    games = sorted({game for _, game, _ in runs})
+    lines, last_fifth = [], {}
+    for game in games:
+        tables, last_fifth[game] = game_summary(
+            {(label, seed): run for (label, g, seed), run in runs.items() if g == game}, reference, marks
+        )
+        lines += [f"## {game}", "", *tables, ""]
+    if len(games) > 1:
+        lines += across_games(last_fifth, games, reference)
+    if PUBLISHED_GAME in games:
+        lines += ["", "| published, Breakout-v5 | points (agent steps: mean return) | source |", "|---|---|---|"]
+        for algorithm in sorted({algorithm_of(label) for label, game, _ in runs if game == PUBLISHED_GAME}):
+            label, source, points = PUBLISHED[algorithm]
+            text = ", ".join(f"{step / 1e6:g}M: {value:g}" for step, value in points)
+            lines.append(f"| {label} | {text} | {source} |")
     return "\n".join(lines)
 
 
 def read_rows(path):
+    """OUT.csv's rows, typed; a CSV from before --env-ids (a 'script' column, Breakout-v5 only) reads too."""
     with open(path) as f:
-        return [tuple(r[column] for column in COLUMNS) for r in csv.DictReader(f)]
+        reader = csv.DictReader(f)
+        old = "script" in reader.fieldnames
+        return [
+            (r["script"] if old else r["label"], utils.DEFAULT_ENV_ID if old else r["game"], int(r["seed"]),
+             float(r["step"]), float(r["wall_time_s"]), float(r["return"]))
+            for r in reader
+        ]  # fmt: skip
 
 
-def main():
+def write_rows(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        writer.writerows(
+            (label, game, seed, int(step), round(wall, 2), ret) for label, game, seed, step, wall, ret in rows
+        )
+
+
+def install_missing(modules):
+    """Install benchmarks/requirements.txt if one of `modules` is missing, before the first run."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"{' '.join(missing)} missing: installing {REQUIREMENTS}", file=sys.stderr, flush=True)
+        if subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", str(ROOT / REQUIREMENTS)]).returncode:
+            utils.fail(f"pip install -r {REQUIREMENTS} failed; install it, then rerun", code=1)
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--variants", nargs="+", default=None, metavar="VARIANT",
+        help=f"names from the table ({', '.join(VARIANTS)}; default: all), scripts (my_ppo.py), or "
+        "'LABEL=SCRIPT FLAGS' (quoted, e.g. 'lr2=ppo_atari_native.py --learning-rate 5e-4')",
+    )  # fmt: skip
+    parser.add_argument("--reference", default=None, help="the label every paired difference is taken from "
+                        "(default: the first variant)")  # fmt: skip
+    parser.add_argument("--env-ids", nargs="+", default=[utils.DEFAULT_ENV_ID], help="the games (default Breakout-v5)")
     parser.add_argument("--total-timesteps", type=int, default=500_000)
     parser.add_argument(
         "--schedule-timesteps",
@@ -323,7 +589,6 @@ def main():
         "--at", type=int, nargs="*", default=[], metavar="STEP",
         help=f"also give each run's mean return over its last {LAST_GAMES} games by these agent steps",
     )  # fmt: skip
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learning"))
     parser.add_argument(
         "--runs-dir",
@@ -331,56 +596,107 @@ def main():
         help="where the runs are kept (default runs/learning/NAME, NAME from --out): a run cut short, by a stop or "
         "a lost machine, is resumed from its checkpoint by the same command, and a finished one is only read",
     )
+    parser.add_argument("--run-timeout", type=float, default=None, help="kill a run that takes longer (seconds)")
+    parser.add_argument(
+        "--jobs", type=int, default=1,
+        help="runs at a time (default 1: runs side by side share the cores, and their wall times say less)",
+    )  # fmt: skip
     parser.add_argument("--plot-only", action="store_true", help="redraw the plot and summary from OUT.csv")
     parser.add_argument("--append", action="store_true", help="keep OUT.csv's other runs; replace only the ones rerun")
     parser.add_argument(
-        "--from-run", nargs=3, metavar=("VARIANT", "SEED", "RUN_DIR"),
+        "--from-run", nargs=3, metavar=("LABEL", "SEED", "RUN_DIR"),
         help="read one run that already ran (e.g. one resumed by hand after an interruption) into OUT.csv "
-        "instead of running it; with --append, OUT.csv's other runs are kept",
+        "instead of running it, as a run of the first of --env-ids; with --append, OUT.csv's other runs are kept",
     )  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out_csv, out_png = Path(args.out + ".csv"), Path(args.out + ".png")
-    requirements = "benchmarks/requirements.txt"
-    missing = [n for n in args.variants if n in BENCHMARK_ONLY and importlib.util.find_spec(BENCHMARK_ONLY[n]) is None]
-    if missing and not (args.plot_only or args.from_run):  # before the first run, not after hours of them
-        print(f"{' '.join(missing)} needs {requirements}: installing it", file=sys.stderr, flush=True)
-        if subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-r", str(ROOT / requirements)]).returncode:
-            sys.exit(f"error: pip install -r {requirements} failed; install it, then rerun")
+    runs_dir = Path(args.runs_dir or ROOT / "runs" / "learning" / Path(args.out).name).absolute()
+    view = runs_dir / "tensorboard"
+    specs = args.variants or list(VARIANTS)
+    running = not (args.plot_only or args.from_run)
+    try:
+        if args.jobs < 1:
+            raise utils.UsageError(f"--jobs must be at least 1, got {args.jobs}")
+        env_ids = list(dict.fromkeys(utils.canonical_env_id(env_id) for env_id in args.env_ids))
+        if running:
+            variants = [parse_variant(spec) for spec in specs]
+            labels = [variant.label for variant in variants]
+            twice = next((label for label in labels if labels.count(label) > 1), None)
+            if twice is not None:
+                raise utils.UsageError(f"label {twice!r} names two variants: give one another, as LABEL=SCRIPT")
+            if args.reference is not None and args.reference not in labels:
+                raise utils.UsageError(f"--reference {args.reference!r} is none of the variants ({', '.join(labels)})")
+            sb3 = ["stable_baselines3"] if any(v.script.name == "sb3_a2c.py" for v in variants) else []
+            install_missing(["scipy", "rliable", "matplotlib", *sb3])
+            for index, variant in enumerate(variants):
+                check_variant(variant, index, env_ids[0], args.schedule_timesteps or args.total_timesteps)
+    except utils.UsageError as e:
+        utils.fail(str(e))
+    install_missing(["scipy", "rliable", "matplotlib"])
 
+    failed = []
     if args.from_run:
-        name, seed, run_dir = args.from_run[0], int(args.from_run[1]), args.from_run[2]
-        rows = [row for row in read_rows(out_csv) if (row[0], int(row[1])) != (name, seed)] if args.append else []
-        rows += [(name, seed, int(step), round(wall, 2), ret) for step, wall, ret in returns_of(run_dir)]
-        with open(out_csv, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(COLUMNS)
-            writer.writerows(rows)
-    elif not args.plot_only:
+        label, seed, run_dir = args.from_run[0], int(args.from_run[1]), args.from_run[2]
+        key = (label, env_ids[0], seed)
+        rows = [row for row in read_rows(out_csv) if row[:3] != key] if args.append else []
+        rows += [(*key, step, wall, ret) for step, wall, ret in returns_of(run_dir)]
+        write_rows(out_csv, rows)
+    elif running:
         rows = []
         if args.append and out_csv.exists():  # runs take an hour each: add to a results file, run by run
-            rerun = {(name, seed) for name in args.variants for seed in args.seeds}
-            rows = [row for row in read_rows(out_csv) if (row[0], int(row[1])) not in rerun]
-        runs_dir = Path(args.runs_dir or ROOT / "runs" / "learning" / Path(args.out).name)
-        for seed in args.seeds:  # seed-major, so a cut-short benchmark still compares scripts
-            for name in args.variants:
-                for step, wall, ret in train(name, seed, args.total_timesteps, runs_dir, args.schedule_timesteps):
-                    rows.append((name, seed, int(step), round(wall, 2), ret))
-                with open(out_csv, "w", newline="") as f:  # after every run: nothing is lost
-                    writer = csv.writer(f)
-                    writer.writerow(COLUMNS)
-                    writer.writerows(rows)
-    rows = read_rows(out_csv)
+            rerun = {(v.label, game, seed) for v in variants for game in env_ids for seed in args.seeds}
+            rows = [row for row in read_rows(out_csv) if row[:3] not in rerun]
+        # seed-major, so that a cut-short comparison still pairs the variants
+        STOPPING.clear()
+        todo = [(variant, game, seed) for seed in args.seeds for game in env_ids for variant in variants]
+        run = lambda task: train(
+            *task, args.total_timesteps, runs_dir, args.schedule_timesteps, args.run_timeout, args.jobs
+        )
+        with ThreadPoolExecutor(args.jobs) as pool:
+            try:
+                for (variant, game, seed), result in zip(todo, [pool.submit(run, task) for task in todo]):
+                    try:
+                        run_dir, games = result.result()
+                    except RunFailed as e:
+                        print(f"FAILED: {e}", file=sys.stderr, flush=True)
+                        failed.append(f"{variant.label} {game} seed {seed}")
+                        continue
+                    link_run(view, variant, game, seed, run_dir)
+                    rows += [(variant.label, game, seed, step, wall, ret) for step, wall, ret in games]
+                    write_rows(out_csv, rows)  # after every run: nothing is lost
+            finally:  # stopped: the runs in progress stop too, with a checkpoint
+                STOPPING.set()
+                pool.shutdown(wait=False, cancel_futures=True)
+                for process in list(RUNNING):
+                    end_group(process)
+    rows = read_rows(out_csv) if out_csv.exists() else []
+    if not rows:
+        utils.fail(f"no games to summarize in {out_csv}", code=1)
+    labels = list(dict.fromkeys(row[0] for row in rows))
+    reference = args.reference or next((label for label in (*specs, *labels) if label in labels), labels[0])
+    if running:
+        reference = args.reference or variants[0].label
+    import torch
+
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     print(
-        f"Breakout-v5, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), no GPU, "
-        f"{time.strftime('%Y-%m-%d')}{' (drawn from OUT.csv; the runs may be older)' if args.plot_only else ''}\n"
+        f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}), {where}, "
+        f"{time.strftime('%Y-%m-%d')}{' (drawn from OUT.csv; the runs may be older)' if args.plot_only else ''}; "
+        f"the reference: {reference}\n"
     )
-    print(summary(rows, args.at))
+    print(summary(rows, reference, args.at))
     try:
         plot(rows, out_png)
         print(f"\nplot: {out_png}")
     except ImportError:
-        print("\nno plot: matplotlib is not installed (pip install -r benchmarks/requirements.txt)")
+        print(f"\nno plot: matplotlib is not installed (pip install -r {REQUIREMENTS})")
+    if view.is_dir():
+        print(f"\nthese runs side by side in TensorBoard: {tensorboard_command(view)}")
+    if failed:
+        print(f"\nfailed: {', '.join(failed)} (their logs: above)", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the runs in progress stop cleanly
     main()

@@ -1,0 +1,184 @@
+"""benchmarks/learning.py compares a researcher's copies with the originals: paired by seed on
+each game, aggregated across games, laid out for TensorBoard; bad input stops before any run."""
+
+import csv
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, script_env
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import learning  # noqa: E402
+
+GAMES = ["Breakout-v5", "Pong-v5"]
+# the smallest runs that still end games in every fifth of the run: 2 envs of 160 steps, games cut at 200 frames
+A2C = "--num-envs 2 --num-steps 16 --num-gpu-batches 1 --max-episode-frames 200"
+PPO = f"{A2C} --num-minibatches 2 --update-epochs 1"
+TOTAL = "320"
+
+
+def run_tool(*args, timeout=480):
+    """learning.py as a user runs it; on a timeout its whole process group (the runs too) is ended."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "learning.py"), *args], cwd=ROOT, env=script_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # learning.py stops its runs, each in its own group
+        try:
+            out, err = proc.communicate(timeout=30)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"learning.py took over {timeout} s:\n{out[-3000:]}\n{err[-3000:]}")
+    return proc.returncode, out, err
+
+
+def copy_with(tmp_path, script, name, old, new):
+    """A copy of `script` with one line changed, as a researcher makes one."""
+    text = (ROOT / script).read_text()
+    assert text.count(old) == 1
+    (tmp_path / name).write_text(text.replace(old, new))
+    return tmp_path / name
+
+
+def last_fifths(rows, game):
+    """(label, seed) -> mean return of the games ended in the last fifth of the run, from the CSV."""
+    runs = {}
+    for row in rows:
+        if row["game"] == game:
+            runs.setdefault((row["label"], int(row["seed"])), []).append((int(row["step"]), float(row["return"])))
+    last_step = max(step for run in runs.values() for step, _ in run)
+    edge = round(last_step * 4 / 5)
+    return {key: np.mean([r for step, r in run if step > edge]) for key, run in runs.items()}
+
+
+def test_copies_against_originals_on_two_games(tmp_path):
+    copy_with(tmp_path, "a2c_atari.py", "my_a2c.py", "ent_coef: float = 0.01", "ent_coef: float = 0.02")
+    copy_with(tmp_path, "ppo_atari_native.py", "my_ppo.py", "ent_coef: float = 0.01", "ent_coef: float = 0.02")
+    variants = [f"a2c=a2c_atari.py {A2C}", f"my_a2c={tmp_path}/my_a2c.py {A2C}",
+                f"ppo=ppo_atari_native.py {PPO}", f"my_ppo={tmp_path}/my_ppo.py {PPO}"]  # fmt: skip
+    command = ["--variants", *variants, "--env-ids", *GAMES, "--seeds", "1", "2", "--total-timesteps", TOTAL,
+               "--out", str(tmp_path / "cmp"), "--runs-dir", str(tmp_path / "runs"), "--jobs", "2",
+               "--run-timeout", "240"]  # fmt: skip
+    code, out, err = run_tool(*command)
+    assert code == 0, f"{out[-3000:]}\n{err[-3000:]}"
+
+    with open(tmp_path / "cmp.csv") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == ["label", "game", "seed", "step", "wall_time_s", "return"]
+        rows = list(reader)
+    labels = ["a2c", "my_a2c", "ppo", "my_ppo"]
+    assert {(r["label"], r["game"], r["seed"]) for r in rows} == {
+        (label, game, seed) for label in labels for game in GAMES for seed in "12"
+    }
+    # each game's paired differences from the reference (a2c, the first), seed by seed, as the CSV gives them
+    sections = re.split(r"^## ", out, flags=re.M)
+    for game in GAMES:
+        section = next(s for s in sections if s.startswith(game))
+        fifths = last_fifths(rows, game)
+        for label in labels[1:]:
+            line = next(x for x in section.splitlines() if x.startswith(f"| {label} |") and "(seed 1:" in x)
+            found = re.search(
+                r"\| ([-+.\d]+) \[([-+.\d]+), ([-+.\d]+)\] \(seed 1: ([-+.\d]+), 2: ([-+.\d]+)\) \|$", line
+            )
+            mean, low, high, d1, d2 = map(float, found.groups())
+            e1, e2 = (fifths[(label, seed)] - fifths[("a2c", seed)] for seed in (1, 2))
+            assert (d1, d2, mean) == pytest.approx((e1, e2, (e1 + e2) / 2), abs=0.006)
+            half = 12.7062 * abs(e1 - e2) / 2  # Student's t, 1 degree of freedom: t * sd / sqrt(2)
+            assert (low, high) == pytest.approx(((e1 + e2) / 2 - half, (e1 + e2) / 2 + half), abs=0.006)
+    # across games: the IQM of human-normalized scores inside its interval, and P(improvement) for the others
+    across = out[out.index("Across Breakout-v5, Pong-v5") :]
+    for label in labels:
+        cells = re.search(rf"^\| {label} \| 2 \| ([-.\d]+) \[([-.\d]+), ([-.\d]+)\] \| (.*) \|$", across, re.M)
+        assert cells, across
+        iqm, low, high = map(float, cells.groups()[:3])
+        assert low <= iqm <= high
+        if label == "a2c":
+            assert cells.group(4) == "-"
+        else:
+            p, p_low, p_high = map(float, re.fullmatch(r"([.\d]+) \[([.\d]+), ([.\d]+)\]", cells.group(4)).groups())
+            assert 0 <= p_low <= p <= p_high <= 1
+
+    # TensorBoard: the printed log directory shows every run as label/game/seed, with its flags
+    from tensorboard.backend.event_processing import plugin_event_multiplexer
+    from tensorboard.plugins.hparams import metadata
+
+    logdir = re.search(r"tensorboard --logdir (\S+)$", out, re.M).group(1)
+    board = plugin_event_multiplexer.EventMultiplexer()
+    board.AddRunsFromDirectory(logdir)
+    board.Reload()
+    names = {f"{label}/{game}/seed{seed}" for label in labels for game in GAMES for seed in (1, 2)}
+    assert set(board.Runs()) == names
+    hparams = board.PluginRunToTagToContent(metadata.PLUGIN_NAME)
+    for name in names:
+        assert board.GetAccumulator(name).Tensors("charts/episodic_return")
+        info = metadata.parse_session_start_info_plugin_data(hparams[name][metadata.SESSION_START_INFO_TAG])
+        label, game, seed = name.split("/")
+        assert info.hparams["label"].string_value == label and info.hparams["env_id"].string_value == game
+        copied = label.startswith("my_")
+        assert info.hparams["ent_coef"].number_value == (0.02 if copied else 0.01)
+        # the run itself trained the copy
+        model = torch.load(os.path.join(logdir, name, "model.pt"), map_location="cpu", weights_only=True)
+        assert model["args"]["ent_coef"] == (0.02 if copied else 0.01) and model["args"]["seed"] == int(seed[-1])
+
+    # the same command again reads every run: nothing reruns
+    code, again, err = run_tool(*command)
+    assert code == 0 and err.count(": read from ") == len(names), err[-3000:]
+    with open(tmp_path / "cmp.csv") as f:
+        assert list(csv.DictReader(f)) == rows
+
+
+def test_a_failing_run_is_named_and_the_others_go_on(tmp_path):
+    broken = copy_with(
+        tmp_path, "a2c_atari.py", "broken.py", "    rollout.start()\n", "    raise RuntimeError('midway')\n"
+    )
+    code, out, err = run_tool(
+        "--variants", f"broken={broken} {A2C}", f"a2c=a2c_atari.py {A2C}", "--seeds", "1", "--total-timesteps",
+        TOTAL, "--out", str(tmp_path / "cmp"), "--runs-dir", str(tmp_path / "runs"), "--run-timeout", "240",
+    )  # fmt: skip
+    assert code == 1, f"{out[-2000:]}\n{err[-2000:]}"
+    assert re.search(r"FAILED: broken Breakout-v5 seed 1 failed \(exit code 1\); its log ends:\n(.*\n)*.*midway", err)
+    with open(tmp_path / "cmp.csv") as f:
+        assert {row["label"] for row in csv.DictReader(f)} == {"a2c"}
+    assert "| a2c | 1 |" in out
+
+
+@pytest.mark.parametrize(
+    "variants, extra, message",
+    [
+        (["nothere.py"], [], "'nothere.py' is no script"),
+        (["BROKEN"], [], "fails at import (RuntimeError: at import)"),
+        ([f"x=a2c_atari.py {A2C} --no-such-flag 1"], [], "variant x: Unrecognized"),
+        (["x=a2c_atari.py --seed 3"], [], "--seed is set by learning.py"),
+        (["x=a2c_atari.py --ent-coef -1"], [], "variant x: --ent-coef must be"),
+        (["a2c_atari.py", "a2c_atari.py"], [], "label 'a2c_atari' names two variants"),
+        (["a2c"], ["--env-ids", "Breakout-v5", "NoSuchGame-v5"], "unknown Atari game 'NoSuchGame'"),
+        (["a2c"], ["--reference", "ppo"], "--reference 'ppo' is none of the variants"),
+    ],
+)
+def test_bad_input_stops_before_any_run(tmp_path, monkeypatch, capsys, variants, extra, message):
+    (tmp_path / "broken.py").write_text("raise RuntimeError('at import')\n")
+    variants = [str(tmp_path / "broken.py") if v == "BROKEN" else v for v in variants]
+    monkeypatch.setattr(learning, "train", lambda *args: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as stop:
+        learning.main(["--variants", *variants, *extra, "--out", str(tmp_path / "cmp"), "--runs-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_old_results_still_read(tmp_path, capsys):
+    """A CSV from before labels and games (benchmarks/results/) redraws with the figures the README quotes."""
+    shutil.copy(ROOT / "benchmarks/results/learning_500k_protocol.csv", tmp_path / "old.csv")
+    learning.main(["--plot-only", "--out", str(tmp_path / "old"), "--runs-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| native-fp32 | 4 | 8.80 [6.93, 10.66] | -1.20 [-4.88, +2.47]" in out
+    assert (tmp_path / "old.png").stat().st_size > 0
