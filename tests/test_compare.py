@@ -142,8 +142,9 @@ def test_a_failing_run_is_named_and_the_others_go_on(tmp_path):
         tmp_path, "a2c_atari.py", "broken.py", "    rollout.start()\n", "    raise RuntimeError('midway')\n"
     )
     code, out, err = run_tool(
-        "--variants", f"broken={broken} {A2C}", f"a2c=a2c_atari.py {A2C}", "--seeds", "1", "--total-timesteps",
-        TOTAL, "--out", str(tmp_path / "cmp"), "--runs-dir", str(tmp_path / "runs"), "--run-timeout", "240",
+        "--variants", f"broken={broken} {A2C}", f"a2c=a2c_atari.py {A2C}", "--seeds", "1", "--jobs", "2",
+        "--total-timesteps", TOTAL, "--out", str(tmp_path / "cmp"), "--runs-dir", str(tmp_path / "runs"),
+        "--run-timeout", "240",
     )  # fmt: skip
     assert code == 1, f"{out[-2000:]}\n{err[-2000:]}"
     assert re.search(r"FAILED: broken Breakout-v5 seed 1 failed \(exit code 1\); its log ends:\n(.*\n)*.*midway", err)
