@@ -106,6 +106,10 @@ class Args:
     """sticky actions: each frame repeats the previous action with this probability, in [0, 1]"""
     frame_skip: int = 4
     """frames per agent step, the observation max-pooled over the last two; at least 1"""
+    frame_stack: int = 4
+    """the newest observations the network sees, stacked (zeros before a game's first); in [1, 16]"""
+    screen_size: int = 84
+    """the observations' side in pixels, grayscale, resized (the Nature CNN needs 36 or more); in [16, 256]"""
     noop_max: int = 30
     """a game starts after U{0..noop_max-1} noop frames, one fewer after a FIRE frame; at least 0"""
     fire_reset: bool = True
@@ -178,20 +182,23 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 
 
 class Agent(nn.Module):
-    """Nature CNN -> Linear(3136, 512) + GELU -> actor and critic heads. The rollout's fused step
+    """Nature CNN -> Linear(64 * side**2, 512) + GELU -> actor and critic heads. The rollout's fused step
     (kernels.policy_step) computes exactly this network; edit it, and the rollout runs forward()."""
 
-    def __init__(self, num_actions):
+    def __init__(self, num_actions, frame_stack=4, screen_size=84):
         super().__init__()
+        side = screen_size  # the frames' side after each convolution: 84 -> 20 -> 9 -> 7
+        for kernel, stride in ((8, 4), (4, 2), (3, 1)):
+            side = (side - kernel) // stride + 1
         self.network = nn.Sequential(
-            layer_init(nn.Conv2d(4, 32, 8, stride=4)),
+            layer_init(nn.Conv2d(frame_stack, 32, 8, stride=4)),
             nn.ReLU(),
             layer_init(nn.Conv2d(32, 64, 4, stride=2)),
             nn.ReLU(),
             layer_init(nn.Conv2d(64, 64, 3, stride=1)),
             nn.ReLU(),
             nn.Flatten(),
-            layer_init(nn.Linear(64 * 7 * 7, 512)),
+            layer_init(nn.Linear(64 * side * side, 512)),
             nn.GELU(),
         )
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
@@ -262,7 +269,7 @@ def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_retur
 
 def parse_args() -> Args:
     args = utils.cli(Args)  # tyro.cli, with its errors as one line
-    utils.check_args(args)  # ranges, the game's name, --exp-name, --runs-dir, video
+    utils.check_args(args, Agent)  # ranges, the network, the game's name, --exp-name, --runs-dir, video
     if args.num_envs % args.num_gpu_batches:
         raise utils.UsageError(
             f"--num-envs {args.num_envs} is not divisible by --num-gpu-batches {args.num_gpu_batches}"
@@ -310,7 +317,7 @@ if __name__ == "__main__":
     game = utils.game_settings(args)  # the game block of Args, as the envs play it
     # the rollout's policy step: the fused kernels if they compute this Agent, else Agent.forward
     num_actions = utils.num_actions(args.env_id, args.full_action_space)
-    agent = Agent(num_actions).to(device, memory_format=torch.channels_last)
+    agent = Agent(num_actions, args.frame_stack, args.screen_size).to(device, memory_format=torch.channels_last)
     try:
         frames = utils.probe_frames(args.env_id, game, batch, device)  # real frame stacks
         policy = kernels.rollout_policy(args.policy, agent, dtype, frames, num_actions)
@@ -354,7 +361,8 @@ if __name__ == "__main__":
     # ALGO LOGIC: storage setup. Row T is the step after the horizon: obs[T] starts the next
     # rollout and values[T] bootstraps. dones[t] = 1 when obs[t] follows a terminal.
     T, N = args.num_steps, args.num_envs
-    obs = torch.zeros((T + 1, N, 4, 84, 84), dtype=torch.uint8, device=device)
+    obs_shape = (args.frame_stack, args.screen_size, args.screen_size)  # a frame stack
+    obs = torch.zeros((T + 1, N, *obs_shape), dtype=torch.uint8, device=device)
     actions = torch.zeros((T + 1, N), dtype=torch.long, device=device)
     logprobs = torch.zeros((T + 1, N), device=device)
     values = torch.zeros((T + 1, N), device=device)
@@ -410,7 +418,7 @@ if __name__ == "__main__":
                 advantages, returns = gae(rewards, values, dones, args.gamma, args.gae_lambda)
 
             # flatten the batch
-            b_obs = obs[:T].reshape((-1, 4, 84, 84))
+            b_obs = obs[:T].reshape((-1, *obs_shape))
             if args.compile:  # fixed storage: CUDA graphs read it in place, not copied at every replay
                 torch._dynamo.mark_static_address(b_obs)
             b_actions = actions[:T].reshape(-1)

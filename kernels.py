@@ -3,15 +3,17 @@ step that ppo_atari_native.py and a2c_atari.py share.
 
 After the conv body, a rollout step of a CleanRL-style agent runs three kernels here:
 
-1. `linear_gelu`: `gelu(x @ weight.T + bias)` with the exact (erf) GELU, the 3136 -> 512 layer.
+1. `linear_gelu`: `gelu(x @ weight.T + bias)` with the exact (erf) GELU, the 3136 -> 512 layer
+   (at 84x84 frames).
 2. `policy_value_heads`: actor logits and critic value from one read of the hidden state.
 3. `sample_logits`: inverse-CDF sampling from given uniforms, with log-prob and entropy.
 
-Before the conv body, `push_frames` moves an env batch's 4-frame stacks one step on (the older
+Before the conv body, `push_frames` moves an env batch's frame stacks one step on (the older
 frames shift, a game that just ended gets zeros there, the new frame comes in) and writes the
-network's float input, scaled by 1/255, in one pass. Section 5, `policy_step`, is the whole
-device side of one env batch's step, as both native scripts run it (and capture it in a CUDA
-graph on a GPU); section 6 decides whether the rollout may take it for a given Agent.
+network's float input, scaled by 1/255, in one pass (the stack and the frame size are the
+script's). Section 5, `policy_step`, is the whole device side of one env batch's step, as both
+native scripts run it (and capture it in a CUDA graph on a GPU); section 6 decides whether the
+rollout may take it for a given Agent.
 
 Each kernel is followed by its Python wrapper (argument checks, block sizes, launch grid)
 and by a plain torch reference with the same signature. The wrappers launch Triton for CUDA
@@ -51,6 +53,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import math
 import os
 import textwrap
 import threading
@@ -530,35 +533,37 @@ def sample_logits_reference(logits, uniform, action_out=None, logprob_out=None, 
 # 4. The frame stack: one step on, and the network's input
 # ---------------------------------------------------------------------------------------
 
-FRAME = 84 * 84  # bytes of one grayscale frame
-# One env's row of a staging buffer: its new frame, then one byte that is 1 where the env's
-# game goes on and 0 where it just ended (its older frames become zeros, as ale-py's own
-# stack does), padded to 16 bytes so that every row starts aligned.
-STAGED_ROW = FRAME + 16
+
+def staged_row(frame):
+    """Bytes of one env's row of a staging buffer: its new frame (`frame` pixels), then one byte
+    that is 1 where the env's game goes on and 0 where it just ended (its older frames become
+    zeros, as ale-py's own stack does), padded to a multiple of 16 so that every row starts aligned."""
+    return (frame + 1 + 15) // 16 * 16
 
 
 @triton.jit
 def push_frames_kernel(
-    prev_ptr,  # [B, 4, 84, 84] uint8: the stacks before this step
+    prev_ptr,  # [B, STACK, H, W] uint8: the stacks before this step
     staged_ptr,  # [B, STAGED_ROW] uint8: new frames, then the keep flag
-    obs_ptr,  # [B, 4, 84, 84] uint8: the stacks after it (rollout storage)
-    x_ptr,  # [B, 4, 84, 84] float32 or bfloat16, channels_last: obs / 255, the network's input
+    obs_ptr,  # [B, STACK, H, W] uint8: the stacks after it (rollout storage)
+    x_ptr,  # [B, STACK, H, W] float32 or bfloat16, channels_last: obs / 255, the network's input
+    STACK: tl.constexpr,  # frames per stack
+    FRAME: tl.constexpr,  # pixels per frame, H * W
     STAGED_ROW: tl.constexpr,
     SHIFT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    FRAME: tl.constexpr = 84 * 84
     env = tl.program_id(1).to(tl.int64)
     pixel = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = pixel < FRAME
-    prev = prev_ptr + env * 4 * FRAME
-    obs = obs_ptr + env * 4 * FRAME
-    x = x_ptr + env * 4 * FRAME + pixel * 4  # channels_last: the 4 frames of a pixel side by side
+    prev = prev_ptr + env * STACK * FRAME
+    obs = obs_ptr + env * STACK * FRAME
+    x = x_ptr + env * STACK * FRAME + pixel * STACK  # channels_last: the frames of a pixel side by side
     keep = tl.load(staged_ptr + env * STAGED_ROW + FRAME)
-    for c in tl.static_range(4):
+    for c in tl.static_range(STACK):
         if not SHIFT:  # a plain copy: the stacks carried over from the last horizon
             v = tl.load(prev + c * FRAME + pixel, mask=ok)
-        elif c < 3:  # the older frames move down; zeros where a game just ended
+        elif c < STACK - 1:  # the older frames move down; zeros where a game just ended
             v = tl.load(prev + (c + 1) * FRAME + pixel, mask=ok) * keep
         else:  # the new frame
             v = tl.load(staged_ptr + env * STAGED_ROW + pixel, mask=ok)
@@ -574,27 +579,29 @@ def _push_config():
 
 
 def stage_frames(staging, frames, ended=()):
-    """Write an env batch's new frames [B, 84, 84] and keep flags into a host staging buffer
-    [B, STAGED_ROW] (a numpy view of pinned memory on a GPU), from which one copy moves both."""
-    staging[:, :FRAME] = frames.reshape(len(frames), FRAME)
-    staging[:, FRAME] = 1
-    staging[ended, FRAME] = 0
+    """Write an env batch's new frames [B, H, W] and keep flags into a host staging buffer
+    [B, staged_row(H * W)] (a numpy view of pinned memory on a GPU), from which one copy moves both."""
+    frame = frames.shape[1] * frames.shape[2]
+    staging[:, :frame] = frames.reshape(len(frames), frame)
+    staging[:, frame] = 1
+    staging[ended, frame] = 0
 
 
 def push_frames(prev, staged, obs_out, x_out, shift=True):
-    """The stacks one step on: obs_out[:, :3] = prev[:, 1:] (zeros where a game ended),
-    obs_out[:, 3] = the staged frame; with shift=False a plain copy of prev. Also writes
+    """The stacks one step on: obs_out[:, :-1] = prev[:, 1:] (zeros where a game ended),
+    obs_out[:, -1] = the staged frame; with shift=False a plain copy of prev. Also writes
     x_out = obs_out / 255 (float32 or bfloat16, channels_last), the network's input.
 
-    prev, obs_out uint8 [B, 4, 84, 84] (contiguous: env batches are slices of the storage);
-    staged uint8 [B, STAGED_ROW] on the device (see `stage_frames`).
+    prev, obs_out uint8 [B, STACK, H, W] (contiguous: env batches are slices of the storage);
+    staged uint8 [B, staged_row(H * W)] on the device (see `stage_frames`).
     """
-    _check("prev", prev, (None, 4, 84, 84), None, (torch.uint8,))
-    B, device = prev.shape[0], prev.device
-    _check("staged", staged, (B, STAGED_ROW), device, (torch.uint8,))
-    _check("obs_out", obs_out, (B, 4, 84, 84), device, (torch.uint8,))
-    if not isinstance(x_out, torch.Tensor) or x_out.dtype not in FLOAT_OR_BF16 or x_out.shape != (B, 4, 84, 84):
-        raise ValueError(f"x_out must be a float32 or bfloat16 tensor of shape {(B, 4, 84, 84)}")
+    _check("prev", prev, (None, None, None, None), None, (torch.uint8,))
+    (B, stack, height, width), device = prev.shape, prev.device
+    frame = height * width
+    _check("staged", staged, (B, staged_row(frame)), device, (torch.uint8,))
+    _check("obs_out", obs_out, prev.shape, device, (torch.uint8,))
+    if not isinstance(x_out, torch.Tensor) or x_out.dtype not in FLOAT_OR_BF16 or x_out.shape != prev.shape:
+        raise ValueError(f"x_out must be a float32 or bfloat16 tensor of shape {tuple(prev.shape)}")
     if x_out.device != device or not x_out.is_contiguous(memory_format=torch.channels_last):
         raise ValueError(f"x_out must be channels_last on {device}")
     if not _use_triton(device):
@@ -602,9 +609,11 @@ def push_frames(prev, staged, obs_out, x_out, shift=True):
     if B == 0:
         return obs_out, x_out
     BLOCK, num_warps = _push_config()
-    grid = (triton.cdiv(FRAME, BLOCK), B)
+    grid = (triton.cdiv(frame, BLOCK), B)
     with _launch_guard():
-        push_frames_kernel[grid](prev, staged, obs_out, x_out, STAGED_ROW, shift, BLOCK, num_warps=num_warps)
+        push_frames_kernel[grid](
+            prev, staged, obs_out, x_out, stack, frame, staged_row(frame), shift, BLOCK, num_warps=num_warps
+        )
     _counted()
     return obs_out, x_out
 
@@ -612,9 +621,10 @@ def push_frames(prev, staged, obs_out, x_out, shift=True):
 def push_frames_reference(prev, staged, obs_out, x_out, shift=True):
     """Torch reference for `push_frames` (no argument checks); allocates nothing."""
     if shift:
-        keep = staged[:, FRAME].view(-1, 1, 1, 1)
-        torch.mul(prev[:, 1:], keep, out=obs_out[:, :3])
-        obs_out[:, 3].copy_(staged[:, :FRAME].view(-1, 84, 84))
+        frame = prev.shape[2] * prev.shape[3]
+        keep = staged[:, frame].view(-1, 1, 1, 1)
+        torch.mul(prev[:, 1:], keep, out=obs_out[:, :-1])
+        obs_out[:, -1].copy_(staged[:, :frame].view(obs_out[:, -1].shape))
     else:
         obs_out.copy_(prev)
     # uint8 -> float and NCHW -> channels_last in one copy (exact), then the scale in place:
@@ -634,7 +644,7 @@ def inference_weights(agent, dtype):
     default stream, which the env batches' streams then wait for), so that no rollout reads a
     parameter while the optimizer writes it.
 
-    Convolutions in `dtype`, channels_last. Linear(3136, 512) in `dtype` with its columns
+    Convolutions in `dtype`, channels_last. Linear(64 * side**2, 512) in `dtype` with its columns
     permuted to the (h, w, c) order in which channels_last features flatten, so the last
     conv's output feeds it without a copy. Biases and heads in float32.
     """
@@ -664,18 +674,21 @@ def refresh_inference_weights(w):
         w.conv_weight[i].copy_(conv.weight)
         w.conv_bias[i].copy_(conv.bias)
     fc = network[7]
-    w.fc_weight.copy_(fc.weight.view(512, 64, 7, 7).permute(0, 2, 3, 1).reshape(512, 3136))
+    side = math.isqrt(fc.in_features // 64)  # the last conv's output is 64 x side x side
+    w.fc_weight.copy_(fc.weight.view(512, 64, side, side).permute(0, 2, 3, 1).reshape(512, fc.in_features))
     w.fc_bias.copy_(fc.bias)
     for name in ("actor_weight", "actor_bias", "critic_weight", "critic_bias"):
         head, field = name.split("_")
         getattr(w, name).copy_(getattr(getattr(w.agent, head), field))
 
 
-def inference_buffers(batch, num_actions, dtype, device):
-    """Everything one env batch's step writes apart from the rollout storage, allocated once."""
+def inference_buffers(shape, num_actions, dtype, device):
+    """Everything one env batch's step writes apart from the rollout storage, allocated once;
+    `shape` is the batch's stacks' [B, STACK, H, W]."""
+    batch, _, height, width = shape
     return SimpleNamespace(
-        staged=torch.empty((batch, STAGED_ROW), dtype=torch.uint8, device=device),
-        x=torch.empty((batch, 4, 84, 84), dtype=dtype, device=device, memory_format=torch.channels_last),
+        staged=torch.empty((batch, staged_row(height * width)), dtype=torch.uint8, device=device),
+        x=torch.empty(shape, dtype=dtype, device=device, memory_format=torch.channels_last),
         hidden=torch.empty((batch, 512), device=device),
         logits=torch.empty((batch, num_actions), device=device),
         entropy=torch.empty(batch, device=device),
@@ -705,7 +718,7 @@ def policy_step(w, buf, prev_obs, obs_out, uniform, action_out, logprob_out, val
     c1 = conv_relu(buf.x, w.conv_weight[0], w.conv_bias[0], 4)
     c2 = conv_relu(c1, w.conv_weight[1], w.conv_bias[1], 2)
     c3 = conv_relu(c2, w.conv_weight[2], w.conv_bias[2], 1)
-    features = c3.permute(0, 2, 3, 1).reshape(c3.shape[0], 3136)  # channels_last: (h, w, c), a view
+    features = c3.permute(0, 2, 3, 1).reshape(c3.shape[0], -1)  # channels_last: (h, w, c), a view
     linear_gelu(features.contiguous(), w.fc_weight, w.fc_bias, out=buf.hidden)
     policy_value_heads(
         buf.hidden, w.actor_weight, w.actor_bias, w.critic_weight, w.critic_bias,
@@ -731,14 +744,23 @@ def module_policy_step(agent, buf, prev_obs, obs_out, uniform, action_out, logpr
 # 6. Which step the rollout takes: the fused one only where it computes Agent.forward
 # ---------------------------------------------------------------------------------------
 
+
 # The one network `policy_step` computes: the native scripts' Agent.network layer by layer
 # (class and repr), its heads, and its forward (compared as syntax: comments, layout and the
 # docstring aside).
-FUSED_NETWORK = [
-    "Conv2d(4, 32, kernel_size=(8, 8), stride=(4, 4))", "ReLU", "Conv2d(32, 64, kernel_size=(4, 4), stride=(2, 2))",
-    "ReLU", "Conv2d(64, 64, kernel_size=(3, 3), stride=(1, 1))", "ReLU", "Flatten(start_dim=1, end_dim=-1)",
-    "Linear(in_features=3136, out_features=512, bias=True)", "GELU(approximate='none')",
-]  # fmt: skip
+def fused_network(stack, size):
+    """The Nature CNN's layers, as reprs, for stacks of `stack` frames of size x size pixels."""
+    side = size
+    for kernel, stride in ((8, 4), (4, 2), (3, 1)):
+        side = (side - kernel) // stride + 1
+    return [
+        f"Conv2d({stack}, 32, kernel_size=(8, 8), stride=(4, 4))", "ReLU",
+        "Conv2d(32, 64, kernel_size=(4, 4), stride=(2, 2))", "ReLU",
+        "Conv2d(64, 64, kernel_size=(3, 3), stride=(1, 1))", "ReLU", "Flatten(start_dim=1, end_dim=-1)",
+        f"Linear(in_features={64 * side * side}, out_features=512, bias=True)", "GELU(approximate='none')",
+    ]  # fmt: skip
+
+
 FUSED_FORWARD = """
 def forward(self, x):
     hidden = self.network(x.contiguous(memory_format=torch.channels_last) * (1.0 / 255.0))
@@ -751,7 +773,7 @@ _LAYER_FORWARD = {cls: cls.forward for cls in (nn.Sequential, nn.Conv2d, nn.ReLU
 
 
 def _layer(module):
-    """A layer as FUSED_NETWORK names it: its repr, and a bare ReLU (in place or not) as ReLU."""
+    """A layer as fused_network names it: its repr, and a bare ReLU (in place or not) as ReLU."""
     return "ReLU" if type(module) is nn.ReLU else repr(module)
 
 
@@ -772,16 +794,21 @@ def _is_fused_forward(cls):
         return False
 
 
-def fused_mismatch(agent, num_actions):
-    """None if `agent` computes exactly what `policy_step` does, else its first difference in a
-    few words. Read are its forward (and __call__), its modules (class, the class's forward,
-    hyperparameters, nothing extra), every parameter and buffer, and forward hooks."""
+def fused_mismatch(agent, num_actions, shape=(4, 84, 84)):
+    """None if `agent` computes exactly what `policy_step` does on stacks of `shape` [STACK, H, W],
+    else its first difference in a few words. Read are its forward (and __call__), its modules
+    (class, the class's forward, hyperparameters, nothing extra), every parameter and buffer, and
+    forward hooks."""
+    stack, height, width = shape
+    if height != width:
+        return f"the frames are {height}x{width}, the fused step's are square"
+    fused = fused_network(stack, width)
     network = getattr(agent, "network", None)
     if network is None:
         return "the agent has no .network"
     if type(network) is not nn.Sequential:
         return f"agent.network is a {type(network).__name__}, not an nn.Sequential"
-    for i, want in enumerate(FUSED_NETWORK):
+    for i, want in enumerate(fused):
         if i == len(network):
             return f"network ends at [{i}], the fused step computes {want} there"
         got = _layer(network[i])
@@ -789,9 +816,9 @@ def fused_mismatch(agent, num_actions):
             name = lambda layer: layer.split("(")[0]  # noqa: E731
             got, want = (got, want) if name(got) == name(want) else (name(got), name(want))
             return f"network[{i}] is {got}, the fused step computes {want}"
-    if len(network) > len(FUSED_NETWORK):
-        extra = type(network[len(FUSED_NETWORK)]).__name__
-        return f"network[{len(FUSED_NETWORK)}] is {extra}, after the layers the fused step computes"
+    if len(network) > len(fused):
+        extra = type(network[len(fused)]).__name__
+        return f"network[{len(fused)}] is {extra}, after the layers the fused step computes"
     extra = [name for name, _ in agent.named_children() if name not in ("network", "actor", "critic")]
     if extra:
         return f"agent.{extra[0]} is not part of the fused step"
@@ -890,7 +917,7 @@ def probe_mismatch(step, agent, frames, dtype, tolerance, num_actions):
     log-probs and values of agent.get_action_and_value for the actions it sampled, else how far
     apart they are. The learner's side runs as the update runs it (bf16 autocast in bf16)."""
     n, device = len(frames), frames.device
-    buf = inference_buffers(n, num_actions, dtype, device)
+    buf = inference_buffers(frames.shape, num_actions, dtype, device)
     uniform = torch.rand(n, generator=torch.Generator().manual_seed(0)).to(device)
     action, logprob, value = (torch.empty(n, dtype=torch.long, device=device), torch.empty(n, device=device),
                               torch.empty(n, device=device))  # fmt: skip
@@ -935,7 +962,7 @@ def rollout_policy(choice, agent, dtype, frames, num_actions):
     if problem is not None:
         raise PolicyMismatch(f"policy: {problem}")
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: cuDNN's order of sums at other batch sizes
-    reason = None if choice == "module" else fused_mismatch(agent, num_actions)
+    reason = None if choice == "module" else fused_mismatch(agent, num_actions, frames.shape[1:])
     if reason is None and choice != "module":
         probe = spread_copy(agent, frames)
         gap = probe_mismatch(functools.partial(policy_step, inference_weights(probe, torch.float32)), probe, frames,

@@ -88,6 +88,10 @@ class Args:
     """sticky actions: each frame repeats the previous action with this probability, in [0, 1]"""
     frame_skip: int = 4
     """frames per agent step, the observation max-pooled over the last two; at least 1"""
+    frame_stack: int = 4
+    """the newest observations the network sees, stacked (zeros before a game's first); in [1, 16]"""
+    screen_size: int = 84
+    """the observations' side in pixels, grayscale, resized (the Nature CNN needs 36 or more); in [16, 256]"""
     noop_max: int = 30
     """a game starts after U{0..noop_max-1} noop frames, one fewer after a FIRE frame; at least 0"""
     fire_reset: bool = True
@@ -117,19 +121,22 @@ def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
 
 
 class Agent(nn.Module):
-    """Nature CNN -> Linear(3136, 512) + GELU -> actor and critic heads (all scripts share it)."""
+    """Nature CNN -> Linear(64 * side**2, 512) + GELU -> actor and critic heads (all scripts share it)."""
 
-    def __init__(self, num_actions):
+    def __init__(self, num_actions, frame_stack=4, screen_size=84):
         super().__init__()
+        side = screen_size  # the frames' side after each convolution: 84 -> 20 -> 9 -> 7
+        for kernel, stride in ((8, 4), (4, 2), (3, 1)):
+            side = (side - kernel) // stride + 1
         self.network = nn.Sequential(
-            layer_init(nn.Conv2d(4, 32, 8, stride=4)),
+            layer_init(nn.Conv2d(frame_stack, 32, 8, stride=4)),
             nn.ReLU(),
             layer_init(nn.Conv2d(32, 64, 4, stride=2)),
             nn.ReLU(),
             layer_init(nn.Conv2d(64, 64, 3, stride=1)),
             nn.ReLU(),
             nn.Flatten(),
-            layer_init(nn.Linear(64 * 7 * 7, 512)),
+            layer_init(nn.Linear(64 * side * side, 512)),
             nn.GELU(),
         )
         self.actor = layer_init(nn.Linear(512, num_actions), std=0.01)
@@ -168,7 +175,7 @@ def gae(rewards, values, dones, next_value, next_done, gamma, gae_lambda):
 
 def parse_args() -> Args:
     args = utils.cli(Args)  # tyro.cli, with its errors as one line
-    utils.check_args(args)  # ranges, the game's name, --exp-name, --runs-dir, video
+    utils.check_args(args, Agent)  # ranges, the network, the game's name, --exp-name, --runs-dir, video
     args.batch_size = int(args.num_envs * args.num_steps)
     if args.batch_size % args.num_minibatches:
         raise utils.UsageError(
@@ -286,7 +293,7 @@ if __name__ == "__main__":
     num_actions = int(envs.single_action_space.n)
 
     # agent and optimizer
-    agent = Agent(num_actions).to(device)
+    agent = Agent(num_actions, args.frame_stack, args.screen_size).to(device)
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])

@@ -9,6 +9,7 @@ import copy
 import csv
 import difflib
 import functools
+import io
 import math
 import os
 import pickle
@@ -19,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,11 +31,9 @@ import numpy as np
 import torch
 
 SCORES_CSV = Path(__file__).with_name("atari_scores.csv")
-FRAME_SHAPE = (84, 84)
-STACK = 4
 # the game's settings: fields of every script's Args, whose defaults are the protocol (README, "The game")
-GAME = ("repeat_action_probability", "frame_skip", "noop_max", "fire_reset", "max_episode_frames",
-        "full_action_space", "clip_rewards", "life_loss_terminal")  # fmt: skip
+GAME = ("repeat_action_probability", "frame_skip", "frame_stack", "screen_size", "noop_max", "fire_reset",
+        "max_episode_frames", "full_action_space", "clip_rewards", "life_loss_terminal")  # fmt: skip
 
 
 def game_settings(args) -> dict:
@@ -47,7 +47,7 @@ def ale_options(game: dict) -> dict:
         frameskip=game["frame_skip"], repeat_action_probability=game["repeat_action_probability"],
         noop_max=game["noop_max"], use_fire_reset=game["fire_reset"],
         max_num_frames_per_episode=game["max_episode_frames"], full_action_space=game["full_action_space"],
-        reward_clipping=False, autoreset_mode="SameStep",
+        img_height=game["screen_size"], img_width=game["screen_size"], reward_clipping=False, autoreset_mode="SameStep",
     )  # fmt: skip
 
 
@@ -60,10 +60,10 @@ def seeded_reset(envs, seed):
 
 
 def probe_frames(env_id, game, num_envs, device, steps=40, seed=0) -> torch.Tensor:
-    """Real frame stacks, uint8 [num_envs, 4, 84, 84] on `device`, after `steps` random steps."""
+    """Real frame stacks of `game`, uint8 [num_envs, stack, size, size] on `device`, after `steps` random steps."""
     from ale_py.vector_env import AtariVectorEnv
 
-    envs = AtariVectorEnv(rom_id(env_id), num_envs, **ale_options(game), num_threads=1)
+    envs = AtariVectorEnv(rom_id(env_id), num_envs, **ale_options(game), stack_num=game["frame_stack"], num_threads=1)
     obs, _ = seeded_reset(envs, seed)
     actions = np.random.default_rng(seed).integers(envs.single_action_space.n, size=(steps, num_envs))
     for action in actions:
@@ -84,7 +84,7 @@ class ThreadedAtariEnvs:
         self.num_envs, self.num_batches = num_envs, num_batches
         self.batch_size = num_envs // num_batches
         self.slices = [slice(b * self.batch_size, (b + 1) * self.batch_size) for b in range(num_batches)]
-        self.life_loss_terminal = game["life_loss_terminal"]
+        self.life_loss_terminal, self.frame_shape = game["life_loss_terminal"], (game["screen_size"],) * 2
         self.reward_bound = 1.0 if game["clip_rewards"] else np.inf  # what the learner's rewards are clipped to
         self.threads_per_batch = split_threads(num_threads, num_batches, self.batch_size)
         # with first_core, batch b's threads are pinned to its own cores, after the earlier batches'
@@ -101,14 +101,13 @@ class ThreadedAtariEnvs:
         self.frame_number = np.zeros(num_envs, dtype=np.int64)
         self.finished = []  # (env index, full-game return, length in agent steps, step it ended)
         self.steps = np.zeros(num_batches, dtype=np.int64)  # vector steps per batch since pop_finished
-        self.serial = serial
-        self.results = [None] * num_batches
+        self.serial, self.results = serial, [None] * num_batches
 
     def reset(self, seed=None) -> np.ndarray:
         """Reset every env, the batches at once (a seeded reset reloads each env's ROM, and ale-py
-        releases the GIL); returns the first frames, uint8 [num_envs, 84, 84]."""
+        releases the GIL); returns the first frames, uint8 [num_envs, size, size]."""
         seed = self.seed if seed is None else seed
-        frames = np.empty((self.num_envs, *FRAME_SHAPE), dtype=np.uint8)
+        frames = np.empty((self.num_envs, *self.frame_shape), dtype=np.uint8)
         with ThreadPoolExecutor(self.num_batches) as pool:
             resets = list(pool.map(seeded_reset, self.envs, seed + self.batch_size * np.arange(self.num_batches)))
         for b, (obs, info) in enumerate(resets):
@@ -124,7 +123,7 @@ class ThreadedAtariEnvs:
 
     def recv(self, b: int, rewards_out: np.ndarray, dones_out: np.ndarray):
         """Wait for batch b and write the learner's rewards and terminals in place; returns (frames
-        uint8 [batch, 84, 84], indices in the batch whose game ended)."""
+        uint8 [batch, size, size], indices in the batch whose game ended)."""
         if self.serial:
             obs, reward, terminated, truncated, info = self.results[b]
         else:
@@ -215,13 +214,13 @@ def on_stream(stream):  # torch.cuda.stream(None) would still initialize CUDA wh
 
 def fork_streams(streams):
     """Each stream waits for the default stream's work so far; no host sync."""
-    for stream in (stream for stream in streams if stream is not None):
+    for stream in filter(None, streams):
         stream.wait_stream(torch.cuda.current_stream(stream.device))
 
 
 def join_streams(streams):
     """The default stream waits for each stream's work so far; no host sync."""
-    for stream in (stream for stream in streams if stream is not None):
+    for stream in filter(None, streams):
         torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
@@ -290,8 +289,7 @@ class BatchedRollout:
     def __init__(self, envs, policy, *, obs, actions, logprobs, values, rewards, dones, driver, cuda_graphs, profiler):
         import kernels  # here, not at the top: the baseline imports utils and needs no Triton
 
-        self.kernels, self.policy = kernels, policy
-        self.envs, self.driver, self.profiler = envs, driver, profiler
+        self.kernels, self.policy, self.envs, self.driver, self.profiler = kernels, policy, envs, driver, profiler
         self.rewards, self.dones = rewards, dones
         self.device, (T, N) = obs.device, rewards.shape
         self.T, self.obs, self.slices, num_batches = T, obs, envs.slices, len(envs.slices)
@@ -307,10 +305,9 @@ class BatchedRollout:
         # and an event after its step's last copy (the host waits on it before reusing them)
         batch = envs.batch_size
         self.streams = [new_stream(self.device) for _ in range(num_batches)]
-        self.buffers = [
-            kernels.inference_buffers(batch, envs.num_actions, policy.dtype, self.device) for _ in self.slices
-        ]
-        self.staging = [host_buffer((batch, kernels.STAGED_ROW), torch.uint8, self.device) for _ in self.slices]
+        self.buffers = [kernels.inference_buffers(obs[0, sl].shape, envs.num_actions, policy.dtype, self.device)
+                        for sl in self.slices]  # fmt: skip
+        self.staging = [host_buffer(buf.staged.shape, torch.uint8, self.device) for buf in self.buffers]
         self.actions_host = [host_buffer((batch,), torch.long, self.device) for _ in self.slices]
         self.staging_np = [staging.numpy() for staging in self.staging]
         self.actions_host_np = [actions_host.numpy() for actions_host in self.actions_host]
@@ -505,8 +502,6 @@ def num_actions(env_id: str, full_action_space: bool) -> int:
 
 def cli(args_class):
     """tyro.cli(args_class), its multi-line error box turned into one line and exit code 2."""
-    import io
-
     import tyro
 
     captured = io.StringIO()
@@ -561,6 +556,7 @@ RANGES = {
     **dict.fromkeys(["total_timesteps", "num_envs", "num_steps", "num_minibatches", "num_gpu_batches", "save_interval",
                      "log_interval", "eval_episodes", "frame_skip", "max_episode_frames"], AT_LEAST_1),
     **dict.fromkeys(["update_epochs", "noop_max"], AT_LEAST_0),
+    "frame_stack": ("in [1, 16]", lambda v: 1 <= v <= 16), "screen_size": ("in [16, 256]", lambda v: 16 <= v <= 256),
     "num_env_threads": ("at least 1 (or unset)", lambda v: v is None or v >= 1),
     **dict.fromkeys(["learning_rate", "clip_coef", "max_grad_norm"], POSITIVE),
     **dict.fromkeys(["ent_coef", "vf_coef", "rms_eps"], NON_NEGATIVE),
@@ -570,13 +566,22 @@ RANGES = {
 }  # fmt: skip
 
 
-def check_args(args):
-    """What every script checks of its flags before anything starts: numeric ranges, the game (its
+def check_args(args, make_agent):
+    """What every script checks of its flags before anything starts: numeric ranges, that its
+    network make_agent(num_actions, frame_stack, screen_size) takes such frames, the game (its
     canonical name from here on), the experiment name, the runs directory (a directory, or under a
     writable one), --capture-video."""
     for name, value in vars(args).items():
         if name in RANGES and not RANGES[name][1](value):
             raise UsageError(f"--{name.replace('_', '-')} must be {RANGES[name][0]}, got {value}")
+    stack, size = args.frame_stack, args.screen_size
+    try:  # one zero observation through the script's network (quietly: too small a frame may warn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make_agent(18, stack, size).eval().get_action_and_value(torch.zeros(1, stack, size, size))
+    except (RuntimeError, ValueError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"--screen-size {size}: the network cannot take {size}x{size} frames ({why})")
     if args.env_id is None and args.eval_checkpoint is None:  # evaluation: the checkpoint's game
         args.env_id = DEFAULT_ENV_ID
     if args.env_id is not None:
@@ -699,22 +704,21 @@ def make_run_dir(args) -> Path:
     base.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(1, 1000):
         run_dir = base if attempt == 1 else base.with_name(f"{name}-{attempt}")
-        try:
-            run_dir.mkdir()  # exclusive: fails if another run made it first
+        with contextlib.suppress(FileExistsError):  # exclusive: fails if another run made it first
+            run_dir.mkdir()
             return run_dir
-        except FileExistsError:
-            continue
     raise UsageError(f"could not create a new run directory next to {base}")
 
 
 def describe_run(args, device: torch.device, envs: str, precision: str = "fp32", world_size: int = 1) -> str:
     """The first line of every run: where it runs and what it will do, on which game and action set."""
+    where = "cpu (no CUDA found)" if not torch.cuda.is_available() else "cpu"
     if device.type == "cuda":
         where = f"{torch.cuda.get_device_name(device)} ({device})"
-    else:
-        where = "cpu (no CUDA found)" if not torch.cuda.is_available() else "cpu"
     actions = f"{num_actions(args.env_id, args.full_action_space)} actions"
-    game = f"{args.env_id} ({actions}{', full set' if args.full_action_space else ''})"
+    stack, size = args.frame_stack, args.screen_size
+    frames = f", {stack}x{size}x{size} frames" if (stack, size) != (4, 84) else ""
+    game = f"{args.env_id} ({actions}{', full set' if args.full_action_space else ''}{frames})"
     if args.eval_checkpoint is not None:
         what = f"evaluating {args.eval_checkpoint} on {game} for {args.eval_episodes} games"
     else:
@@ -912,7 +916,7 @@ def load_checkpoint(path, script: str, env_id: str | None = None, make_agent=Non
         actions = num_actions(state["env_id"], state["args"].get("full_action_space") is True)
         if state["num_actions"] != actions:
             raise UsageError(f"checkpoint {name} has {state['num_actions']} actions, {game} has {actions}")
-        agent = make_agent(actions)
+        agent = make_agent(actions, state["args"].get("frame_stack", 4), state["args"].get("screen_size", 84))
         try:
             agent.load_state_dict(state["model"])
         except (RuntimeError, TypeError, ValueError, AttributeError) as e:
@@ -990,17 +994,15 @@ def set_rng_states(states: dict, device: torch.device):
     random.setstate(tuple(states["python"]))
     np.random.set_state(numpy_rng_state(states["numpy"]))
     torch.set_rng_state(states["torch"])
-    cuda = states.get("cuda")
-    if device.type == "cuda" and cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
+    if device.type == "cuda" and states.get("cuda") is not None:
+        torch.cuda.set_rng_state(states["cuda"], device)
 
 
 class StopSignal:
     """SIGINT/SIGTERM set a flag the train loop checks; a second SIGINT stops at once."""
 
     def __init__(self, checkpoint_path):
-        self.received = None
-        self.checkpoint_path = Path(checkpoint_path)
+        self.received, self.checkpoint_path = None, Path(checkpoint_path)
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
 
@@ -1059,10 +1061,9 @@ def fail_diverged(what: str, iteration: int, checkpoint_path, *to_close):
     """Training went non-finite: flush the logs, name the last good checkpoint, exit 1."""
     for resource in to_close:
         resource.close()
+    last = "no checkpoint was written yet"
     if Path(checkpoint_path).is_file():
         last = f"the last good checkpoint is {checkpoint_path}"
-    else:
-        last = "no checkpoint was written yet"
     fail(f"{what} at iteration {iteration}; {last}", code=1)
 
 
@@ -1116,8 +1117,8 @@ class LifeLossTerminal(gym.Wrapper):
 
 def make_env(env_id, seed, game, video_dir=None):
     """A thunk that makes one gymnasium env playing `game` as ThreadedAtariEnvs does (the baseline's envs;
-    with video_dir, evaluation's recorded games): 84x84 grayscale stacks of 4, full-game statistics in
-    info["episode"]."""
+    with video_dir, evaluation's recorded games): grayscale stacks of frame_stack screen_size-square
+    frames, full-game statistics in info["episode"]."""
 
     def thunk():
         import multiprocessing
@@ -1136,9 +1137,11 @@ def make_env(env_id, seed, game, video_dir=None):
         if video_dir is not None:
             env = gym.wrappers.RecordVideo(env, str(video_dir), episode_trigger=lambda e: True)
         env = AleGameStart(env, game["noop_max"], game["fire_reset"])
-        env = gym.wrappers.AtariPreprocessing(env, noop_max=0, frame_skip=game["frame_skip"], screen_size=84)
+        env = gym.wrappers.AtariPreprocessing(
+            env, noop_max=0, frame_skip=game["frame_skip"], screen_size=game["screen_size"]
+        )
         env = gym.wrappers.RecordEpisodeStatistics(env)  # full games, unclipped, agent steps
-        env = gym.wrappers.FrameStackObservation(env, STACK, padding_type="zero")
+        env = gym.wrappers.FrameStackObservation(env, game["frame_stack"], padding_type="zero")
         if game["life_loss_terminal"]:
             env = LifeLossTerminal(env)
         if game["clip_rewards"]:
@@ -1152,7 +1155,7 @@ def make_env(env_id, seed, game, video_dir=None):
 # ----------------------------------------------------------------------------- evaluation
 def evaluate_checkpoint(make_agent, evaluated, args, device):
     """--eval-checkpoint: play its games, print the mean, std and human-normalized score, exit."""
-    agent = make_agent(evaluated["num_actions"]).to(device)
+    agent = make_agent(evaluated["num_actions"], args.frame_stack, args.screen_size).to(device)
     agent.load_state_dict(evaluated["model"])
     act = lambda obs: agent.get_action_and_value(obs)[0]  # noqa: E731
     video_dir = Path(args.eval_checkpoint).parent / "videos"
@@ -1177,14 +1180,14 @@ def human_normalized(game: str, score: float) -> float | None:
 
 
 def evaluate(env_id, game, act, episodes, seed, device, capture_video=False, video_dir=None):
-    """The full-game, unclipped returns of `episodes` games of `game`, played by act(uint8 [n, 4, 84,
-    84]) -> [n] on up to 16 envs (env i seeded seed + i), each counting its first games, its share."""
+    """The full-game, unclipped returns of `episodes` games of `game`, played by act(uint8 [n, stack, size,
+    size]) -> [n] on up to 16 envs (env i seeded seed + i), each counting its first games, its share."""
     if capture_video:
         return evaluate_with_video(env_id, game, act, episodes, seed, device, video_dir)
     n = min(episodes, 16)
     share = [episodes // n + (i < episodes % n) for i in range(n)]
     envs = ThreadedAtariEnvs(env_id, n, 1, min(n, os.cpu_count()), seed, game)
-    obs = np.zeros((n, STACK, *FRAME_SHAPE), dtype=np.uint8)
+    obs = np.zeros((n, game["frame_stack"], *envs.frame_shape), dtype=np.uint8)
     obs[:, -1] = envs.reset()
     rewards, dones, returns = np.zeros(n, np.float32), np.zeros(n, np.float32), []
     while len(returns) < episodes:

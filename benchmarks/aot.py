@@ -5,6 +5,7 @@ and all fit; benchmarks/kernels.py prints the table).
 """
 
 import concurrent.futures
+import itertools
 import json
 import os
 import re
@@ -25,6 +26,7 @@ CAPABILITIES = (75, 80, 89, 90)
 SHARED_LIMIT_KB = {75: 64, 80: 163, 89: 99, 90: 227}
 BATCHES = (1, 2, 8, 16, 64, 256, 1024, 4096)
 ACTIONS = (1, 4, 6, 9, 18)
+OBSERVATIONS = ((4, 84), (1, 64), (2, 96), (8, 64))  # (frame stack, screen size): the default, and others tested
 HIDDEN, CONV_OUT = 512, 3136
 TRITON_TYPE = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -35,7 +37,7 @@ def dtypes(cc):
     return (torch.float32,) if cc < 80 else (torch.float32, torch.bfloat16)
 
 
-def configs(cc, batches=BATCHES, actions=ACTIONS, K=CONV_OUT, H=HIDDEN):
+def configs(cc, batches=BATCHES, actions=ACTIONS, K=CONV_OUT, H=HIDDEN, observations=OBSERVATIONS):
     """Every distinct (kernel name, kernel, signature, constexprs, num_warps, num_stages) the
     wrappers launch at these shapes on a GPU of capability cc, in a fixed order."""
     found = {}
@@ -67,10 +69,12 @@ def configs(cc, batches=BATCHES, actions=ACTIONS, K=CONV_OUT, H=HIDDEN):
                 consts = {"BLOCK_B": bb, "BLOCK_A": ba}
                 found[("sample_logits_kernel", bb, ba, w)] = (kernels.sample_logits_kernel, sig, consts, w, 3)
         block, w = kernels._push_config()
-        for shift in (True, False):
+        for (stack, size), shift in itertools.product(observations, (True, False)):
             sig = {"prev_ptr": "*u8", "staged_ptr": "*u8", "obs_ptr": "*u8", "x_ptr": p}
-            consts = {"STAGED_ROW": kernels.STAGED_ROW, "SHIFT": shift, "BLOCK": block}
-            found[("push_frames_kernel", p, shift)] = (kernels.push_frames_kernel, sig, consts, w, 3)
+            frame = size * size
+            consts = {"STACK": stack, "FRAME": frame, "STAGED_ROW": kernels.staged_row(frame), "SHIFT": shift}
+            consts["BLOCK"] = block
+            found[("push_frames_kernel", p, stack, size, shift)] = (kernels.push_frames_kernel, sig, consts, w, 3)
     out = []
     for (name, *_), (kernel, sig, consts, w, stages) in found.items():
         out.append((name, kernel, sig | {k: "constexpr" for k in consts}, consts, w, stages))

@@ -49,7 +49,7 @@ def run_utils(env_id, num_envs, threads, steps, seed=0, num_batches=1):
     envs = utils.ThreadedAtariEnvs(env_id, num_envs, num_batches, threads, seed, GAME)
     obs = torch.zeros((2, num_envs, 4, 84, 84), dtype=torch.uint8)
     batch = num_envs // num_batches
-    staged = [torch.empty((batch, kernels.STAGED_ROW), dtype=torch.uint8) for _ in range(num_batches)]
+    staged = [torch.empty((batch, kernels.staged_row(84 * 84)), dtype=torch.uint8) for _ in range(num_batches)]
     x = [torch.empty((batch, 4, 84, 84)).contiguous(memory_format=torch.channels_last) for _ in range(num_batches)]
 
     def push(b, t, frames, ended):

@@ -68,8 +68,8 @@ def native_setup(batch, num_actions=4, steps=64, dtype=torch.float32, seed=0):
     actions = torch.zeros((steps + 1, batch), dtype=torch.long)
     logprobs, values, uniforms = (torch.zeros((steps + 1, batch)) for _ in range(3))
     torch.rand(uniforms.shape, out=uniforms)
-    buf = kernels.inference_buffers(batch, num_actions, dtype, device)
-    staging = utils.host_buffer((batch, kernels.STAGED_ROW), torch.uint8, device)
+    buf = kernels.inference_buffers(obs[0].shape, num_actions, dtype, device)
+    staging = utils.host_buffer(buf.staged.shape, torch.uint8, device)
     staging_np = staging.numpy()
     actions_host = utils.host_buffer((batch,), torch.long, device)
     views = [(obs[t - 1], obs[t], uniforms[t], actions[t], logprobs[t], values[t]) for t in range(steps + 1)]
@@ -253,10 +253,10 @@ def main():
     rows = []
     base_ops = count_baseline(batch)
     rows.append(("baseline (fp32)", base_ops, baseline_allocations(batch), 4 * 84 * 84 + 8 + 1))
-    # native: one frame and one keep flag per env (kernels.STAGED_ROW bytes with the padding)
+    # native: one frame and one keep flag per env (kernels.staged_row(84 * 84) bytes with the padding)
     for name, dtype in (("native fp32", torch.float32), ("native bf16", torch.bfloat16)):
         ops = count_native(batch, dtype=dtype)
-        rows.append((name, ops, native_allocations(batch, dtype=dtype)[1], kernels.STAGED_ROW))
+        rows.append((name, ops, native_allocations(batch, dtype=dtype)[1], kernels.staged_row(84 * 84)))
     print(f"Per env-batch rollout step, batch {batch} envs, torch {torch.__version__}, device cpu\n")
     print(
         "| script | launches (aten ops + Triton) | bytes allocated: conv primitives | fused kernels' CPU reference"

@@ -47,7 +47,7 @@ def warm(device, dtypes, configs=CONFIGS, num_actions=BREAKOUT_ACTIONS):
             for step in (fused, module):
                 for b in range(num_batches):
                     sl = slice(b * B, (b + 1) * B)
-                    buf = kernels.inference_buffers(B, num_actions, dtype, device)
+                    buf = kernels.inference_buffers(obs[0, sl].shape, num_actions, dtype, device)
                     for t in (0, 1):
                         prev = obs[t - 1 if t > 0 else T, sl]
                         views = (prev, obs[t, sl], uniforms[t, sl], actions[t, sl], logprobs[t, sl], values[t, sl])

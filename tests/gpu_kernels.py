@@ -1,14 +1,16 @@
 """Every Triton kernel compiled for this GPU (not interpreted) against its torch reference and
 float64, at batch sizes 1 to 8,192, in fp32 and bf16, at storage offsets that change the
-pointers' 16-byte alignment (Triton specializes on it). Run by tests/test_gpu.py in a fresh
-process, because a test module that sets TRITON_INTERPRET=1 makes every kernel of its
-process an interpreted one. Also runnable alone: python tests/gpu_kernels.py [fp32] [bf16]
-(both by default; bf16 only from sm_80). Prints one line per check and exits 1 if any failed.
+pointers' 16-byte alignment (Triton specializes on it), the frame stacks at every shape of
+aot.OBSERVATIONS. Run by tests/test_gpu.py in a fresh process, because a test module that sets
+TRITON_INTERPRET=1 makes every kernel of its process an interpreted one. Also runnable alone:
+python tests/gpu_kernels.py [fp32] [bf16] (both by default; bf16 only from sm_80). Prints one
+line per check and exits 1 if any failed.
 
 Each check holds a kernel to what it is specified to compute (kernels.py's docstrings), so the
 same checks run on CPU against the torch references (tests/test_gpu_kernel_checks.py).
 """
 
+import itertools
 import math
 import os
 import sys
@@ -107,7 +109,7 @@ def check_push(obs, x, prev, staged, shift, dtype):
     return exact, ""
 
 
-def run(device, dtypes, batches=BATCHES, actions=ACTIONS, frame_batches=FRAME_BATCHES):
+def run(device, dtypes, batches=BATCHES, actions=ACTIONS, frame_batches=FRAME_BATCHES, observations=aot.OBSERVATIONS):
     """Every check on `device`, yielded as (name, ok, detail) in order: the kernels on a GPU,
     the torch references on a CPU (where the wrappers call them)."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -130,17 +132,18 @@ def run(device, dtypes, batches=BATCHES, actions=ACTIONS, frame_batches=FRAME_BA
                 uniform = torch.rand(B, generator=g, device=device)
                 sampled = kernels.sample_logits(offset_view(logits, 1), offset_view(uniform, 3))
                 yield f"sample_logits {dtype} B={B} A={A}", *check_sample(*sampled, logits, uniform)
-        for B in frame_batches:
-            prev = torch.randint(0, 256, (B, 4, 84, 84), generator=g, device=device, dtype=torch.uint8)
-            frames = torch.randint(0, 256, (B, 84, 84), dtype=torch.uint8)
-            staged_host = torch.empty(B, kernels.STAGED_ROW, dtype=torch.uint8)
+        for B, (stack, size) in itertools.product(frame_batches, observations):
+            prev = torch.randint(0, 256, (B, stack, size, size), generator=g, device=device, dtype=torch.uint8)
+            frames = torch.randint(0, 256, (B, size, size), dtype=torch.uint8)
+            staged_host = torch.empty(B, kernels.staged_row(size * size), dtype=torch.uint8)
             kernels.stage_frames(staged_host.numpy(), frames.numpy(), list(range(0, B, 3)))
             staged = staged_host.to(device)
             for shift in (True, False):
                 obs = torch.empty_like(prev)
-                x = torch.empty(B, 4, 84, 84, dtype=dtype, device=device).contiguous(memory_format=torch.channels_last)
+                x = torch.empty_like(prev, dtype=dtype, memory_format=torch.channels_last)
                 kernels.push_frames(prev, staged, obs, x, shift)
-                yield f"push_frames {dtype} B={B} shift={shift}", *check_push(obs, x, prev, staged, shift, dtype)
+                name = f"push_frames {dtype} B={B} {stack}x{size}x{size} shift={shift}"
+                yield name, *check_push(obs, x, prev, staged, shift, dtype)
 
 
 def main():

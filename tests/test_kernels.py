@@ -293,11 +293,11 @@ def test_sample_logits_chi_square(sampler):
 # ---------------------------------------------------------------------------------------
 
 
-def frames_inputs(B, seed):
+def frames_inputs(B, seed, stack=4, size=84):
     g = torch.Generator().manual_seed(seed)
-    prev = torch.randint(0, 256, (B, 4, 84, 84), generator=g, dtype=torch.uint8)
-    frames = torch.randint(0, 256, (B, 84, 84), generator=g, dtype=torch.uint8)
-    staged = torch.full((B, kernels.STAGED_ROW), 77, dtype=torch.uint8)  # padding poisoned
+    prev = torch.randint(0, 256, (B, stack, size, size), generator=g, dtype=torch.uint8)
+    frames = torch.randint(0, 256, (B, size, size), generator=g, dtype=torch.uint8)
+    staged = torch.full((B, kernels.staged_row(size * size)), 77, dtype=torch.uint8)  # padding poisoned
     ended = torch.randperm(B, generator=g)[: B // 3].numpy()
     kernels.stage_frames(staged.numpy(), frames.numpy(), ended)
     return prev, frames, staged, ended
@@ -305,14 +305,15 @@ def frames_inputs(B, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shift", [True, False])
-@pytest.mark.parametrize("B", [1, 5])
-def test_push_frames_shifts_masks_and_scales(B, shift, dtype):
+@pytest.mark.parametrize("B, stack, size", [(1, 4, 84), (5, 4, 84), *((3, *obs) for obs in aot.OBSERVATIONS[1:])])
+def test_push_frames_shifts_masks_and_scales(B, stack, size, shift, dtype):
     """The stacks move one frame on (zeros where a game ended), or are copied; x = stacks / 255
     in channels_last, as the learner's x * (1 / 255) rounds it (the interpreter rounds bf16 by
-    truncation: there the kernel may be 1 bf16 ulp below the reference)."""
-    prev, frames, staged, ended = frames_inputs(B, seed=B + 10 * shift)
-    obs = torch.full((B, 4, 84, 84), 7, dtype=torch.uint8)
-    x = torch.full((B, 4, 84, 84), NAN, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    truncation: there the kernel may be 1 bf16 ulp below the reference). At the default stack of
+    4 84x84 frames and at the others the scripts are tested with (one frame: nothing to shift)."""
+    prev, frames, staged, ended = frames_inputs(B, seed=B + 10 * shift + stack, stack=stack, size=size)
+    obs = torch.full((B, stack, size, size), 7, dtype=torch.uint8)
+    x = torch.full((B, stack, size, size), NAN, dtype=dtype).contiguous(memory_format=torch.channels_last)
     _, n = launches(lambda: kernels.push_frames(prev, staged, obs, x, shift))
     assert n == 1
     if shift:
@@ -488,11 +489,12 @@ def test_aot_configs_cover_every_launch(monkeypatch, cc):
                 wa, ba, wc, bc = torch.empty(A, H), torch.empty(A), torch.empty(1, H), torch.empty(1)
                 kernels.policy_value_heads(h, wa, ba, wc, bc)
                 kernels.sample_logits(torch.empty(B, A), torch.empty(B))
-        prev = torch.empty(2, 4, 84, 84, dtype=torch.uint8)
-        staged = torch.empty(2, kernels.STAGED_ROW, dtype=torch.uint8)
-        x = torch.empty(2, 4, 84, 84, dtype=dtype).contiguous(memory_format=torch.channels_last)
-        for shift in (True, False):
-            kernels.push_frames(prev, staged, torch.empty_like(prev), x, shift)
+        for stack, size in aot.OBSERVATIONS:
+            prev = torch.empty(2, stack, size, size, dtype=torch.uint8)
+            staged = torch.empty(2, kernels.staged_row(size * size), dtype=torch.uint8)
+            x = torch.empty(2, stack, size, size, dtype=dtype).contiguous(memory_format=torch.channels_last)
+            for shift in (True, False):
+                kernels.push_frames(prev, staged, torch.empty_like(prev), x, shift)
     assert launched == compiled
     assert len(compiled) <= 44  # keep the number of distinct configurations small
 

@@ -19,7 +19,7 @@ def play(envs, num_batches, steps, seed=0):
     Yields (step, obs [num_envs, 4, 84, 84], rewards, dones, actions) after every step."""
     n, batch = envs.num_envs, envs.batch_size
     obs = torch.zeros((2, n, 4, 84, 84), dtype=torch.uint8)
-    staged = torch.empty((batch, kernels.STAGED_ROW), dtype=torch.uint8)
+    staged = torch.empty((batch, kernels.staged_row(84 * 84)), dtype=torch.uint8)
     x = torch.empty((batch, 4, 84, 84)).contiguous(memory_format=torch.channels_last)
 
     def push(b, frames, ended):
@@ -160,7 +160,7 @@ def rollout_step(agent, frames, dtype, uniform):
     storage it wrote: (obs[1], action, logprob, value)."""
     batch = len(frames)
     weights = kernels.inference_weights(agent, dtype)
-    buf = kernels.inference_buffers(batch, 4, dtype, torch.device("cpu"))
+    buf = kernels.inference_buffers((batch, 4, 84, 84), 4, dtype, torch.device("cpu"))
     obs = torch.zeros((2, batch, 4, 84, 84), dtype=torch.uint8)
     obs[0] = frames
     kernels.stage_frames(buf.staged.numpy(), frames[:, 3].numpy(), ())  # the newest frame again

@@ -28,7 +28,7 @@ import utils
 
 SCRIPTS = ["ppo_atari_native.py", "a2c_atari.py"]
 # the Agent's __init__ and forward, which some edits rewrite whole
-BODY = ("    def __init__(self, num_actions):\n", "    def get_action_and_value")
+BODY = ("    def __init__(self, num_actions, frame_stack=4, screen_size=84):\n", "    def get_action_and_value")
 # name -> (replacements in the script, the first difference the fused check names)
 EDITS = {
     "relu-hidden": (
@@ -40,7 +40,7 @@ EDITS = {
         "network[9] is LayerNorm, after the layers the fused step computes",
     ),
     "hidden-256": (
-        [("nn.Linear(64 * 7 * 7, 512)", "nn.Linear(64 * 7 * 7, 256)"), ("nn.Linear(512, ", "nn.Linear(256, ")],
+        [("side * side, 512)", "side * side, 256)"), ("nn.Linear(512, ", "nn.Linear(256, ")],
         "network[7] is Linear(in_features=3136, out_features=256, bias=True), the fused step computes "
         "Linear(in_features=3136, out_features=512, bias=True)",
     ),
@@ -60,7 +60,7 @@ EDITS = {
     ),
 }  # fmt: skip
 
-TRUNKS = """    def __init__(self, num_actions):
+TRUNKS = """    def __init__(self, num_actions, frame_stack=4, screen_size=84):
         super().__init__()
 
         def trunk():
@@ -79,7 +79,7 @@ TRUNKS = """    def __init__(self, num_actions):
         return self.actor(x), self.critic(x)
 
 """
-IMPALA = """    def __init__(self, num_actions):
+IMPALA = """    def __init__(self, num_actions, frame_stack=4, screen_size=84):
         super().__init__()
 
         def residual(channels):

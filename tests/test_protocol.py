@@ -226,6 +226,7 @@ def test_every_script_plays_one_game_by_default():
     vector = inspect.signature(AtariVectorEnv).parameters
     assert games[0] == dict(
         repeat_action_probability=v5["repeat_action_probability"], frame_skip=v5["frameskip"],
+        frame_stack=vector["stack_num"].default, screen_size=vector["img_height"].default,
         noop_max=vector["noop_max"].default, fire_reset=vector["use_fire_reset"].default,
         max_episode_frames=v5["max_num_frames_per_episode"], full_action_space=v5["full_action_space"],
         clip_rewards=True, life_loss_terminal=True,

@@ -407,6 +407,8 @@ def bad_inputs(script):
         ("resume-other-num-envs", ["--resume", f"{{files}}/8-envs-{script}"], "--num-envs 4 differs"),  # tiny: 4
         ("resume-other-game-settings", ["--resume", f"{{files}}/no-sticky-{script}"],
          "--repeat-action-probability 0.25 differs from the checkpoint's 0.0: resume with the same value"),
+        ("resume-other-frame-size", ["--resume", f"{{files}}/64-pixels-{script}"],
+         "--screen-size 84 differs from the checkpoint's 64: resume with the same value"),
         ("resume-finished-run", ["--resume", f"{{files}}/finished-{script}"], "ends a finished run"),
         ("eval-missing", ["--eval-checkpoint", "{files}/missing.pt"], "does not exist"),
         ("video-without-eval", ["--capture-video"], "--eval-checkpoint"),
@@ -423,6 +425,7 @@ def bad_inputs(script):
         # every flag checked before anything starts
         ("gamma-2", ["--gamma", "2"], "--gamma must be in [0, 1], got 2.0"),
         ("frame-skip-0", ["--frame-skip", "0"], "--frame-skip must be at least 1, got 0"),
+        ("screen-size-35", ["--screen-size", "35"], "--screen-size 35: the network cannot take 35x35 frames"),
         ("exp-name-escapes", ["--exp-name", "../../../escaped"], "not a path"),
         ("misspelled-flag", ["--gama", "0.9"], "perhaps you meant --gamma"),
     ]  # fmt: skip
@@ -494,6 +497,9 @@ def bad_input_results(tmp_path_factory):
         torch.save(valid_checkpoint(script, args=args), files / f"8-envs-{script}")
         no_sticky = dict(CONFIGS_ARGS[script], repeat_action_probability=0.0)
         torch.save(valid_checkpoint(script, args=no_sticky), files / f"no-sticky-{script}")
+        small = dict(CONFIGS_ARGS[script], screen_size=64)  # weights that fit: the size alone differs
+        model = importlib.import_module(Path(script).stem).Agent(4, 4, 64).state_dict()
+        torch.save(valid_checkpoint(script, args=small, model=model), files / f"64-pixels-{script}")
         finished = valid_checkpoint(script, args=dict(CONFIGS_ARGS[script]), iteration=10**6)
         torch.save(finished, files / f"finished-{script}")
         torch.save(valid_checkpoint(script, num_actions=None), files / f"incomplete-{script}")
@@ -547,6 +553,8 @@ FLAG_CASES = [
     ("exp-name-dot-dot", ["--exp-name", ".."], "not a path"),
     ("type-error", ["--num-envs", "four"], "--num-envs"),
     ("computed-field", ["--batch-size", "64"], "Unrecognized options: --batch-size"),
+    ("screen-size-35", ["--screen-size", "35"], "--screen-size 35: the network cannot take 35x35 frames"),
+    ("frame-stack-above-16", ["--frame-stack", "17"], "--frame-stack must be in [1, 16], got 17"),
 ]
 FLAG_INPUTS = [
     (script, *case)
@@ -564,7 +572,7 @@ def test_bad_flags_are_refused_by_the_scripts_checks(script, case, args, text, t
     args = [a.format(file=tmp_path / "file") for a in args]
     monkeypatch.setattr(sys, "argv", [script, *CONFIGS[script].args, "--runs-dir", str(tmp_path / "runs"), *args])
     with pytest.raises((utils.UsageError, SystemExit)) as raised:
-        utils.check_args(utils.cli(module.Args))
+        utils.check_args(utils.cli(module.Args), module.Agent)
     if isinstance(raised.value, SystemExit):  # tyro's own errors: utils.cli printed one line
         assert raised.value.code == 2
         lines = capsys.readouterr().err.strip().splitlines()
@@ -591,6 +599,8 @@ RANGE_ENDS = {
     "seed": (["0", "4294967295"], ["-1", "4294967296"]),
     **{name: (["1"], ["0"]) for name in AT_LEAST_1},
     "update_epochs": (["0"], ["-1"]),
+    "frame_stack": (["1", "16"], ["0", "17"]),
+    "screen_size": (["16", "256"], ["15", "257"]),
     "noop_max": (["0"], ["-1"]),
     "repeat_action_probability": (["0", "1"], [PAST_ZERO, PAST_ONE, "nan"]),
     "learning_rate": (POSITIVE[0], [*POSITIVE[1], "-1"]),
@@ -612,6 +622,11 @@ RANGE_INPUTS = [
 ]
 
 
+def any_network(num_actions, frame_stack, screen_size):
+    """A network that takes frames of any size: the ranges alone decide."""
+    return SimpleNamespace(eval=lambda: SimpleNamespace(get_action_and_value=lambda x: None))
+
+
 def test_every_range_has_its_ends_tested():
     assert RANGE_ENDS.keys() == utils.RANGES.keys()
     assert {name for _, name in RANGE_INPUTS} == set(RANGE_ENDS)
@@ -627,11 +642,11 @@ def test_flag_ranges_hold_at_both_ends(script, name, tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "argv", argv)
         args = utils.cli(module.Args)
         if value in accepted:
-            utils.check_args(args)
+            utils.check_args(args, any_network)
             assert getattr(args, name) == type(getattr(args, name))(float(value))
         else:
             with pytest.raises(utils.UsageError, match=f"^{flag} must be .*, got "):
-                utils.check_args(args)
+                utils.check_args(args, any_network)
 
 
 def test_precision_resolves_by_hardware_and_bf16_is_refused_where_missing(monkeypatch):
@@ -871,13 +886,17 @@ def test_two_runs_launched_together_write_two_directories(tmp_path):
 def test_the_first_line_says_where_it_runs_and_how_many_steps():
     """The device (no CUDA here), the precision, the envs, the game's action set, and the steps that
     will really run: a budget of 127 with a batch of 64 runs 64."""
-    args = SimpleNamespace(eval_checkpoint=None, env_id="Breakout-v5", batch_size=64, num_iterations=127 // 64)
+    args = SimpleNamespace(eval_checkpoint=None, env_id="Breakout-v5", batch_size=64, num_iterations=127 // 64,
+                           frame_stack=4, screen_size=84)  # fmt: skip
     line = utils.describe_run(SimpleNamespace(**vars(args), full_action_space=False), torch.device("cpu"), "4 envs")
     if not torch.cuda.is_available():
         assert line.startswith("cpu (no CUDA found), fp32, 4 envs;")
     assert line.endswith("; Breakout-v5 (4 actions), 1 iteration of 64 steps = 64 agent steps")
     line = utils.describe_run(SimpleNamespace(**vars(args), full_action_space=True), torch.device("cpu"), "4 envs")
     assert line.endswith("; Breakout-v5 (18 actions, full set), 1 iteration of 64 steps = 64 agent steps")
+    vars(args).update(frame_stack=2, screen_size=64)  # named only where it is not the protocol's 4 x 84 x 84
+    line = utils.describe_run(SimpleNamespace(**vars(args), full_action_space=False), torch.device("cpu"), "4 envs")
+    assert line.endswith("; Breakout-v5 (4 actions, 2x64x64 frames), 1 iteration of 64 steps = 64 agent steps")
 
 
 def test_a_lowercase_game_id_trains_under_the_canonical_name_and_evaluates(tmp_path):
