@@ -795,14 +795,11 @@ def _is_fused_forward(cls):
 
 
 def fused_mismatch(agent, num_actions, shape=(4, 84, 84)):
-    """None if `agent` computes exactly what `policy_step` does on stacks of `shape` [STACK, H, W],
+    """None if `agent` computes exactly what `policy_step` does on stacks of `shape` [STACK, H, H],
     else its first difference in a few words. Read are its forward (and __call__), its modules
     (class, the class's forward, hyperparameters, nothing extra), every parameter and buffer, and
     forward hooks."""
-    stack, height, width = shape
-    if height != width:
-        return f"the frames are {height}x{width}, the fused step's are square"
-    fused = fused_network(stack, width)
+    fused = fused_network(shape[0], shape[-1])  # square frames
     network = getattr(agent, "network", None)
     if network is None:
         return "the agent has no .network"

@@ -472,6 +472,20 @@ def test_the_fused_check_sees_a_patched_layer_class_and_a_global_hook(frames, mo
     assert kernels.fused_mismatch(agent, 4) is None
 
 
+def test_the_fused_check_follows_the_frame_stack_and_size():
+    """The fused step computes the Nature CNN for the run's stack and frame size: the Agent built
+    for them, not one built for other frames (the first layer's channels, the flattened size)."""
+    assert kernels.fused_mismatch(native.Agent(4, 2, 96), 4, (2, 96, 96)) is None
+    assert kernels.fused_mismatch(native.Agent(4), 4, (2, 96, 96)) == (
+        "network[0] is Conv2d(4, 32, kernel_size=(8, 8), stride=(4, 4)), the fused step computes "
+        "Conv2d(2, 32, kernel_size=(8, 8), stride=(4, 4))"
+    )
+    assert kernels.fused_mismatch(native.Agent(4, 4, 64), 4, (4, 84, 84)) == (
+        "network[7] is Linear(in_features=1024, out_features=512, bias=True), the fused step computes "
+        "Linear(in_features=3136, out_features=512, bias=True)"
+    )
+
+
 def test_the_probe_compares_where_policies_differ_not_at_the_untrained_policy(frames, monkeypatch):
     """A fused step that computes logits / 1.02 (wrong only where logits differ): on the untrained
     agent it is within the probe's tolerance, so the probe runs on a copy whose logits span
