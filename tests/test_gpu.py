@@ -6,6 +6,8 @@ a report.
 - The headline command for 2 iterations, fp32 and bf16: one driver thread, a worker thread
   per batch, --driver sequential and --no-cuda-graphs all compute the same run (the weights after
   two updates are equal to the bit, so every action was too).
+- Stacks of 1 and 8 frames of 64x64 and 96x96 pixels: the fused step from CUDA graphs computes
+  the run it computes without them.
 - A rollout under PyTorch's CUDA sanitizer reports no race between the streams.
 - Every Triton kernel compiled for this GPU equals its reference (tests/gpu_kernels.py).
 - PPO's first ratio on CUDA: 1 within 1e-5 in fp32, within 1e-3 in bf16 (the same recipe in
@@ -176,6 +178,24 @@ def test_an_edited_network_runs_its_forward_from_cuda_graphs(runs_dir, tmp_path)
             assert abs(kl) < 1e-3, kl
     for model in models[1:]:
         assert all(torch.equal(model[k], models[0][k]) for k in model)
+
+
+@pytest.mark.parametrize("stack, size", [(1, 64), (8, 96)])
+def test_other_frame_stacks_and_sizes_run_fused_from_cuda_graphs(stack, size, runs_dir):
+    """--frame-stack and --screen-size on CUDA: push_frames compiled for them and the fused step
+    captured in CUDA graphs compute the same run as without graphs, the guard's gap within its
+    bound (tests/test_observation.py shows the frames are the gymnasium pipeline's)."""
+    args = [*HEADLINE, *TWO_ITERATIONS, "--num-minibatches", "1", "--update-epochs", "1", "--precision", "fp32"]
+    args += ["--frame-stack", str(stack), "--screen-size", str(size), "--runs-dir", runs_dir]
+    models = []
+    for extra in ([], ["--no-cuda-graphs"]):
+        result = run_script("ppo_atari_native.py", *args, *extra, env=DETERMINISTIC)
+        first = result.stdout.splitlines()[0]
+        assert f"policy fused; Breakout-v5 (4 actions, {stack}x{size}x{size} frames)" in first, first
+        gaps = [gap for _, gap in read_scalars(run_dir_of(result))["losses/rollout_logprob_gap"]]
+        assert len(gaps) == 2 and max(gaps) <= utils.LOGPROB_GAP_BOUND["fp32"], gaps
+        models.append(model_of(result))
+    assert all(torch.equal(models[1][k], models[0][k]) for k in models[0])
 
 
 def test_a_rollout_under_the_cuda_sanitizer_has_no_race(runs_dir):
