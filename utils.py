@@ -97,8 +97,7 @@ class ThreadedAtariEnvs:
         ]  # fmt: skip
         self.num_actions, self.seed = int(self.envs[0].single_action_space.n), seed
         self.episode_return = np.zeros(num_envs, dtype=np.float64)
-        self.episode_length = np.zeros(num_envs, dtype=np.int64)
-        self.frame_number = np.zeros(num_envs, dtype=np.int64)
+        self.episode_length, self.frame_number = np.zeros((2, num_envs), dtype=np.int64)
         self.finished = []  # (env index, full-game return, length in agent steps, step it ended)
         self.steps = np.zeros(num_batches, dtype=np.int64)  # vector steps per batch since pop_finished
         self.serial, self.results = serial, [None] * num_batches
@@ -124,10 +123,7 @@ class ThreadedAtariEnvs:
     def recv(self, b: int, rewards_out: np.ndarray, dones_out: np.ndarray):
         """Wait for batch b and write the learner's rewards and terminals in place; returns (frames
         uint8 [batch, size, size], indices in the batch whose game ended)."""
-        if self.serial:
-            obs, reward, terminated, truncated, info = self.results[b]
-        else:
-            obs, reward, terminated, truncated, info = self.envs[b].recv()
+        obs, reward, terminated, truncated, info = self.results[b] if self.serial else self.envs[b].recv()
         sl = self.slices[b]
         self.steps[b] += 1
         self.episode_return[sl] += reward
@@ -576,8 +572,7 @@ def check_args(args, make_agent):
             raise UsageError(f"--{name.replace('_', '-')} must be {RANGES[name][0]}, got {value}")
     stack, size = args.frame_stack, args.screen_size
     try:  # one zero observation through the script's network (quietly: too small a frame may warn)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):
             make_agent(18, stack, size).eval().get_action_and_value(torch.zeros(1, stack, size, size))
     except (RuntimeError, ValueError) as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
