@@ -1,10 +1,10 @@
 """The observation is the script's: --frame-stack and --screen-size (fields of each script's game
-block) set what the network sees. Each script trains two iterations on stacks of 1, 2 or 8 frames
-of 64x64 or 96x96 pixels (the native scripts by the fused step, and once by the module step), run
-in this process so that the actions it sent can be replayed: its stored stacks are the other
-pipeline's (the native envs' against utils.make_env's gymnasium pipeline, and the other way round)
-on the same actions, the run-long guard holds within its bound, and each checkpoint is evaluated
-on its own stack and size with no flag saying so.
+block) set what the network sees. Each script trains two iterations on a stack of 1, of 2 and of
+8 frames, of 64x64 or 96x96 pixels (the native scripts by the fused step, and once each by the
+module step), run in this process so that the actions it sent can be replayed: its stored stacks
+are the other pipeline's (the native envs' against utils.make_env's gymnasium pipeline, and the
+other way round) on the same actions, the run-long guard holds within its bound, and each
+checkpoint is evaluated on its own stack and size with no flag saying so.
 
 Sticky actions and noops are off, so that the same actions give the same game in both pipelines
 (tests/test_protocol.py), and games are cut at 160 frames, so that one ends inside the run.
@@ -33,8 +33,13 @@ TINY = {
 CASES = [
     ("ppo_atari_native.py", 1, 64, "fused"),
     ("ppo_atari_native.py", 2, 96, "module"),
+    ("ppo_atari_native.py", 8, 96, "fused"),
+    ("a2c_atari.py", 1, 96, "fused"),
+    ("a2c_atari.py", 2, 64, "module"),
     ("a2c_atari.py", 8, 64, "fused"),
+    ("ppo_atari_baseline.py", 1, 64, None),
     ("ppo_atari_baseline.py", 2, 96, None),
+    ("ppo_atari_baseline.py", 8, 64, None),
 ]
 T, N = 32, 2  # steps per iteration, envs
 
