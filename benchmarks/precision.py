@@ -73,7 +73,10 @@ def main():
     parser.add_argument("--num-steps", type=int, default=128)
     parser.add_argument("--seed", type=int, default=1)
     cli = parser.parse_args()
-    state = utils.load_checkpoint(cli.checkpoint, "ppo_atari_native.py", None, native.Agent)
+    try:
+        state = utils.load_checkpoint(cli.checkpoint, "ppo_atari_native.py", None, native.Agent)
+    except utils.UsageError as e:
+        utils.fail(str(e))
     args = SimpleNamespace(**{**vars(native.Args()), **state["args"]})  # the run's flags
     game = utils.game_settings(args)
     agent = native.Agent(state["num_actions"], game["frame_stack"], game["screen_size"])
