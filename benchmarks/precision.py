@@ -27,7 +27,9 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def play(agent, game, env_id, num_envs, num_steps, seed):
     """obs [T + 1, N, ...] uint8, actions [T, N], rewards [T, N] (as the learner sees them), dones [T + 1, N]."""
-    envs = gym.vector.SyncVectorEnv([utils.make_env(env_id, seed + i, game) for i in range(num_envs)])
+    env_fns = [utils.make_env(env_id, seed + i, game) for i in range(num_envs)]
+    # as the baseline: a game's last step returns the next game's first frame, no step is spent resetting
+    envs = gym.vector.SyncVectorEnv(env_fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     frame, _ = envs.reset(seed=seed)
     obs, actions, rewards, dones = [torch.from_numpy(frame)], [], [], [torch.zeros(num_envs)]
     for _ in range(num_steps):
