@@ -346,6 +346,14 @@ def algorithm_of(label):
     return "a2c" if "a2c" in label else "ppo"
 
 
+def published(runs, game):
+    """The published sources, (label, source, points), of the algorithms the runs of game train."""
+    if game != PUBLISHED_GAME:
+        return []
+    algorithms = sorted({algorithm_of(label) for label, g, _ in runs if g == game})
+    return [source for algorithm in algorithms for source in PUBLISHED[algorithm]]
+
+
 def group(rows):
     """(label, game, seed) -> [(step, wall time, return)], in the rows' order."""
     runs = {}
@@ -373,13 +381,11 @@ def plot(rows, path):
         by_step.plot(steps, mean, color=color, label=label if first else None, alpha=0.9)
         by_time.plot(times / 60, mean, color=color, label=label if first else None, alpha=0.9)
     for (by_step, by_time), game in zip(axes, games):
-        if game == PUBLISHED_GAME:
-            last_step = max(run[-1][0] for (_, g, _), run in runs.items() if g == game)
-            algorithms = sorted({algorithm_of(label) for label, g, _ in runs if g == game})
-            for marker, (label, _, points) in zip("^vsD", [source for a in algorithms for source in PUBLISHED[a]]):
-                shown = [(step, value) for step, value in points if step <= last_step * 1.05]
-                if shown:
-                    by_step.plot(*zip(*shown), "k" + marker, label=label)
+        last_step = max(run[-1][0] for (_, g, _), run in runs.items() if g == game)
+        for marker, (label, _, points) in zip("^vsD", published(runs, game)):
+            shown = [(step, value) for step, value in points if step <= last_step * 1.05]
+            if shown:
+                by_step.plot(*zip(*shown), "k" + marker, label=label)
         by_step.set_xlabel("agent steps")
         by_time.set_xlabel("wall time (minutes)")
         for ax in (by_step, by_time):
@@ -546,10 +552,9 @@ def summary(rows, reference, marks=()):
         lines += across_games(last_fifth, games, reference)
     if PUBLISHED_GAME in games:
         lines += ["", "| published, Breakout-v5 | points (agent steps: mean return) | source |", "|---|---|---|"]
-        for algorithm in sorted({algorithm_of(label) for label, game, _ in runs if game == PUBLISHED_GAME}):
-            for label, source, points in PUBLISHED[algorithm]:
-                text = ", ".join(f"{step / 1e6:g}M: {value:g}" for step, value in points)
-                lines.append(f"| {label} | {text} | {source} |")
+        for label, source, points in published(runs, PUBLISHED_GAME):
+            text = ", ".join(f"{step / 1e6:g}M: {value:g}" for step, value in points)
+            lines.append(f"| {label} | {text} | {source} |")
     return "\n".join(lines)
 
 
