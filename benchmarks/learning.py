@@ -72,6 +72,7 @@ VARIANTS = {
 SET_HERE = ("--seed", "--total-timesteps", "--env-id", "--runs-dir", "--exp-name", "--resume", "--eval-checkpoint")
 WINDOW = 20  # games in the running mean, as in the issue's target
 LAST_GAMES = 100  # a second, less noisy end-of-run mean
+REACHED = 0.98  # --at: a run reached a step if its last game ended this close to it (games end between steps)
 BOOTSTRAP = 2000  # rliable's resamples for the intervals across games
 # Published Breakout-v5 points under our protocol (sticky actions, a lost life terminal), each
 # with its source: algorithm -> [(label, source, [(agent steps, mean return)])]. SLM Lab's "frames"
@@ -417,6 +418,17 @@ def mean_of(values):
     return float(np.mean(values)) if len(values) else float("nan")
 
 
+def at_cell(values, seeds=1):
+    """--at's cell: one run's figure, or the mean (range) of the seeds that reached the step."""
+    values = [v for v in values if not np.isnan(v)]
+    if not values:
+        return "not reached"
+    if seeds == 1:
+        return f"{values[0]:.2f}"
+    short = f", {len(values)} of {seeds} seeds" if len(values) < seeds else ""
+    return f"{np.mean(values):.2f} ({min(values):.2f}-{max(values):.2f}{short})"
+
+
 def game_summary(runs, reference, marks):
     """One game's tables from its runs, (label, seed) -> games; and (label -> seed -> the mean
     return of the games ended in the last fifth of the run)."""
@@ -489,12 +501,14 @@ def game_summary(runs, reference, marks):
         at = {}
         for (label, seed), run in sorted(runs.items()):
             steps, _, returns = np.array(run).T
-            means = [mean_of(returns[steps <= mark][-LAST_GAMES:]) for mark in marks]
+            means = [
+                mean_of(returns[steps <= mark][-LAST_GAMES:]) if steps[-1] >= REACHED * mark else np.nan
+                for mark in marks
+            ]  # a run cut short, or still going, has no figure at a step it has not reached
             at.setdefault(label, []).append(means)
-            lines.append(f"| {label} | {seed} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
+            lines.append(f"| {label} | {seed} | " + " | ".join(at_cell([m]) for m in means) + " |")
         for label, values in sorted(at.items()):
-            values = np.array(values)
-            cells = [f"{v.mean():.2f} ({v.min():.2f}-{v.max():.2f})" for v in values.T]
+            cells = [at_cell(v, len(values)) for v in np.array(values).T]
             lines.append(f"| {label} | mean (range) of {len(values)} | " + " | ".join(cells) + " |")
     return lines, last_fifth
 
@@ -609,7 +623,8 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument(
         "--at", type=int, nargs="*", default=[], metavar="STEP",
-        help=f"also give each run's mean return over its last {LAST_GAMES} games by these agent steps",
+        help=f"also give each run's mean return over its last {LAST_GAMES} games by these agent steps "
+        "('not reached' where a run stopped before one)",
     )  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "learning"))
     parser.add_argument(
