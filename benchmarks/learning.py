@@ -508,6 +508,8 @@ def game_summary(runs, reference, marks):
             at.setdefault(label, []).append(means)
             lines.append(f"| {label} | {seed} | " + " | ".join(at_cell([m]) for m in means) + " |")
         for label, values in sorted(at.items()):
+            if len(values) == 1:
+                continue  # one seed: its run's row says it all
             cells = [at_cell(v, len(values)) for v in np.array(values).T]
             lines.append(f"| {label} | mean (range) of {len(values)} | " + " | ".join(cells) + " |")
     return lines, last_fifth
@@ -564,9 +566,10 @@ def summary(rows, reference, marks=()):
         lines += [f"## {game}", "", *tables, ""]
     if len(games) > 1:
         lines += across_games(last_fifth, games, reference)
-    if PUBLISHED_GAME in games:
-        lines += ["", "| published, Breakout-v5 | points (agent steps: mean return) | source |", "|---|---|---|"]
-        for label, source, points in published(runs, PUBLISHED_GAME):
+    sources = published(runs, PUBLISHED_GAME)
+    if sources:
+        lines += ["", f"| published, {PUBLISHED_GAME} | points (agent steps: mean return) | source |", "|---|---|---|"]
+        for label, source, points in sources:
             text = ", ".join(f"{step / 1e6:g}M: {value:g}" for step, value in points)
             lines.append(f"| {label} | {text} | {source} |")
     return "\n".join(lines)

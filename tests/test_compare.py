@@ -193,7 +193,9 @@ def test_a_step_a_run_has_not_reached_has_no_figure():
     game = learning.PUBLISHED_GAME
     rows = [("x", game, 1, step, step / 100, float(step // 100)) for step in range(100, 2001, 100)]
     rows += [("x", game, 2, step, step / 100, 1.0) for step in range(100, 1001, 100)]
+    rows += [("y", game, 1, step, step / 100, 2.0) for step in range(100, 2001, 100)]
     out = learning.summary(rows, "x", marks=(1000, 2000))
+    assert "| y | 1 | 2.00 | 2.00 |" in out and "| y | mean" not in out  # one seed: no mean row
     assert "| x | 1 | 5.50 | 10.50 |" in out  # the last 100 games by then: here every game so far
     assert "| x | 2 | 1.00 | not reached |" in out
     assert "| x | mean (range) of 2 | 3.25 (1.00-5.50) | 10.50 (10.50-10.50, 1 of 2 seeds) |" in out
