@@ -393,9 +393,9 @@ def plot(rows, path):
             ax.set_title(f"{game}, one line per seed")
             ax.set_ylabel(f"return (mean of last {WINDOW} games)")
             ax.grid(alpha=0.3)
-            ax.legend()
+            ax.legend(loc="upper left", bbox_to_anchor=(0, -0.15), fontsize="small")  # below: hides no point
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
 
 
 def interval(values):
