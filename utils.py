@@ -72,6 +72,9 @@ def probe_frames(env_id, game, num_envs, device, steps=40, seed=0) -> torch.Tens
     return torch.from_numpy(obs).to(device)
 
 
+NO_GAME_ENDED = np.zeros(0, dtype=np.int64)
+
+
 class ThreadedAtariEnvs:
     """`num_envs` ale-py envs playing `game` in `num_batches` fixed batches, each one AtariVectorEnv
     whose C++ threads step it with the GIL released. Each env returns its newest frame only; full-game
@@ -96,8 +99,13 @@ class ThreadedAtariEnvs:
             for b, threads in enumerate(self.threads_per_batch)
         ]  # fmt: skip
         self.num_actions, self.seed = int(self.envs[0].single_action_space.n), seed
+        self.full_strength = np.ones(self.batch_size, dtype=np.float32)  # ale-py's paddle strength, unused here
         self.episode_return = np.zeros(num_envs, dtype=np.float64)
         self.episode_length, self.frame_number = np.zeros((2, num_envs), dtype=np.int64)
+        # each batch's slices of them, made once: recv runs every batch-step
+        self.accounts = [
+            (self.episode_return[sl], self.episode_length[sl], self.frame_number[sl]) for sl in self.slices
+        ]
         self.finished = []  # (env index, full-game return, length in agent steps, step it ended)
         self.steps = np.zeros(num_batches, dtype=np.int64)  # vector steps per batch since pop_finished
         self.serial, self.results = serial, [None] * num_batches
@@ -116,28 +124,40 @@ class ThreadedAtariEnvs:
         return frames
 
     def send(self, b: int, actions: np.ndarray):
-        self.envs[b].send(actions)
+        """Start batch b's step with int64 actions [batch]. ale-py's bound call: AtariVectorEnv.send's
+        checks and its new paddle-strength array per call cost as much again (docs/rollout.md)."""
+        self.envs[b].ale.send(actions, self.full_strength)
         if self.serial:
-            self.results[b] = self.envs[b].recv()
+            self.results[b] = self.envs[b].ale.recv()
 
     def recv(self, b: int, rewards_out: np.ndarray, dones_out: np.ndarray):
         """Wait for batch b and write the learner's rewards and terminals in place; returns (frames
         uint8 [batch, size, size], indices in the batch whose game ended)."""
-        obs, reward, terminated, truncated, info = self.results[b] if self.serial else self.envs[b].recv()
-        sl = self.slices[b]
+        return self.account(b, self.results[b] if self.serial else self.envs[b].ale.recv(), rewards_out, dones_out)
+
+    def account(self, b: int, results, rewards_out: np.ndarray, dones_out: np.ndarray):
+        """recv's bookkeeping of ale-py's results for batch b, in a few array operations: the games'
+        returns and lengths, the learner's rewards (clipped) and terminals; a game's end is rare."""
+        obs, reward, terminated, truncated, info = results
+        returns, lengths, frame_number = self.accounts[b]
         self.steps[b] += 1
-        self.episode_return[sl] += reward
-        self.episode_length[sl] += 1
-        np.clip(reward, -self.reward_bound, self.reward_bound, out=rewards_out, casting="unsafe")
+        returns += reward
+        lengths += 1
+        np.copyto(rewards_out, reward, casting="unsafe")
+        if reward.any():
+            np.clip(rewards_out, -self.reward_bound, self.reward_bound, out=rewards_out)
         # a real game over restarts the episode frame counter; a lost life does not
         new_frame_number = info["episode_frame_number"]
-        game_over = truncated | (terminated & (new_frame_number < self.frame_number[sl]))
-        self.frame_number[sl] = new_frame_number
+        game_over = terminated & (new_frame_number < frame_number)
+        game_over |= truncated
+        frame_number[:] = new_frame_number
         np.logical_or(terminated if self.life_loss_terminal else game_over, truncated, out=dones_out, casting="unsafe")
+        if not game_over.any():
+            return obs[:, 0], NO_GAME_ENDED
         ended = np.flatnonzero(game_over)
-        for j in sl.start + ended:
-            self.finished.append((j, float(self.episode_return[j]), int(self.episode_length[j]), int(self.steps[b])))
-        self.episode_return[sl.start + ended] = self.episode_length[sl.start + ended] = 0
+        for j in ended:
+            self.finished.append((self.slices[b].start + j, float(returns[j]), int(lengths[j]), int(self.steps[b])))
+        returns[ended] = lengths[ended] = 0
         return obs[:, 0], ended
 
     def pop_finished(self):
@@ -316,8 +336,10 @@ class BatchedRollout:
             for t in range(T + 1)
         ]  # fmt: skip
 
-        def step(t, b):
+        def step(t, b):  # frames in, the policy, actions out: one graph, one launch per batch-step
+            self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
             policy.step(self.buffers[b], *self.step_views[t][b], shift=t > 0)
+            self.actions_host[b].copy_(self.step_views[t][b][3], non_blocking=True)
 
         if self.device.type == "cuda":
             warm_up(step, T + 1, num_batches, self.streams)
@@ -361,15 +383,14 @@ class BatchedRollout:
         return True
 
     def launch(self, t, b, frames=None, ended=()):
-        """Queue batch b's step t on its stream: new frames in, the policy, actions out, the event."""
-        kernels = self.kernels
+        """Queue batch b's step t on its stream: its new frames staged (at t = 0 the stacks only
+        move, and the staged copy goes unread), the step (frames in, policy, actions out), the event."""
+        if frames is not None:
+            with self.profiler("staging"):
+                self.kernels.stage_frames(self.staging_np[b], frames, ended)
         with on_stream(self.streams[b]), self.profiler("launch"):
-            if frames is not None:
-                kernels.stage_frames(self.staging_np[b], frames, ended)
-                self.buffers[b].staged.copy_(self.staging[b], non_blocking=True)
             with self.profiler.gpu(self.streams[b]):
                 self.step(t, b)
-            self.actions_host[b].copy_(self.step_views[t][b][3], non_blocking=True)
             self.step_done[b].record(self.streams[b])
 
     def rollout_batch(self, b, should_stop):
@@ -392,7 +413,8 @@ class BatchedRollout:
             with self.profiler("GPU wait"):
                 self.step_done[b].synchronize()
             if step < self.T:  # the step after the horizon only gives the bootstrap value
-                self.envs.send(b, self.actions_host_np[b])
+                with self.profiler("send"):
+                    self.envs.send(b, self.actions_host_np[b])
                 yield
 
     def close(self):

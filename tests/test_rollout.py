@@ -225,3 +225,41 @@ def test_the_batches_reset_at_once_start_the_games_a_serial_reset_starts():
         assert np.array_equal(frames[2 * b : 2 * b + 2], obs[:, -1]), b
         assert np.array_equal(numbers[2 * b : 2 * b + 2], info["episode_frame_number"]), b
     assert len(set(numbers.tolist())) > 1, numbers  # the seeds' noop starts differ: the check can tell them apart
+
+
+@pytest.mark.parametrize("life_loss_terminal", [True, False])
+def test_the_lean_env_calls_give_what_the_plain_ones_gave(life_loss_terminal):
+    """ThreadedAtariEnvs's send and recv (ale-py's bound calls, the bookkeeping on views) against
+    the plain ones kept in benchmarks/rollout_cost.py (AtariVectorEnv's, the bookkeeping on
+    slices): the same frames, clipped rewards, terminals, ended games and finished games, step for
+    step, over lost lives, rewards beyond the clip and games cut by max_episode_frames."""
+    from benchmarks import rollout_cost
+
+    settings = default_game(max_episode_frames=1200, life_loss_terminal=life_loss_terminal)
+    lean = utils.ThreadedAtariEnvs("SpaceInvaders-v5", 4, 2, 2, 7, settings)
+    plain = rollout_cost.BeforeEnvs("SpaceInvaders-v5", 4, 2, 2, 7, settings)
+    plain.profiler = utils.Profiler(False)
+    out = {envs: (np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32)) for envs in (lean, plain)}
+    try:
+        assert np.array_equal(lean.reset(), plain.reset())
+        actions = np.random.default_rng(0).integers(lean.num_actions, size=(700, 2, 2))
+        clipped = ended_games = 0
+        for t in range(len(actions)):
+            got = {}
+            for envs in (lean, plain):
+                for b in range(2):
+                    envs.send(b, actions[t, b])
+                rewards, dones = out[envs]
+                got[envs] = [envs.recv(b, rewards[b], dones[b]) for b in range(2)]
+            for (frames, ended), (plain_frames, plain_ended) in zip(got[lean], got[plain]):
+                assert np.array_equal(frames, plain_frames) and np.array_equal(ended, plain_ended), t
+            assert np.array_equal(out[lean][0], out[plain][0]) and np.array_equal(out[lean][1], out[plain][1]), t
+            clipped += int((out[lean][0] == 1).sum())
+            if t % 50 == 49:
+                finished = lean.pop_finished()
+                assert finished == plain.pop_finished(), t
+                ended_games += len(finished)
+    finally:
+        lean.close()
+        plain.close()
+    assert clipped > 0 and ended_games >= 4  # rewards were clipped and games ended (lost, or cut at 300 steps)
