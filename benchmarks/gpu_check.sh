@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One command for a GPU machine: the speed targets side by side (benchmarks/gpu_targets.py), the
-# GPU test tier (pytest -m cuda), the fused kernels against eager (benchmarks/kernels.py) and a
-# short sweep (benchmarks/gpu_sweep.py --quick), written to one markdown report within a
+# One command for a GPU machine: the speed targets side by side (benchmarks/gpu_targets.py), where
+# the time goes (benchmarks/rollout_cost.py), the GPU test tier (pytest -m cuda), the fused
+# kernels against eager (benchmarks/kernels.py) and a short sweep (benchmarks/gpu_sweep.py
+# --quick), written to one markdown report within a
 # 10-minute budget, the tier's whole log beside it (REPORT_tier.log). The report is written
 # however the run ends (the preflight stops, a part fails or runs out of time, Ctrl-C), starting
 # with the machine's own versions and saying for each part whether it ran, stopped at its limit
@@ -18,8 +19,11 @@
 #   targets           100-180 s [210]: 5 script runs of 3 iterations on a quiet machine, first
 #                      because they are the report's headline; the --compile run and the
 #                      256-env run are each stopped at 100 s
-#   GPU tier          200-250 s [300]: about 800 s of tests on 4 pytest-xdist workers of 4 cores
-#                      each. --dist loadgroup with no test grouped makes each test its own unit,
+#   cost               50-100 s [120]: where the time goes (benchmarks/rollout_cost.py, 16 x 8 and
+#                      16 x 2: the envs alone, the driver's phases, the rollout, the update), also
+#                      on a quiet machine
+#   GPU tier          what is left, at most 300 s [300]: about 800 s of tests on 4 pytest-xdist
+#                      workers of 4 cores each. --dist loadgroup with no test grouped makes each test its own unit,
 #                      handed out in file order, one to each worker, then one more to a worker
 #                      whenever it has 2 or fewer pending. The four tests that cold-compile with
 #                      Inductor (60-120 s each) are the first four: one starts on each worker and
@@ -87,7 +91,7 @@ plain_report() {  # the report when no Python can write it: what the script itse
         echo "benchmarks/gpu_report.py could not run with $python; what the script knows:"
         echo
         if [ -s "$work/stopped" ]; then echo "- preflight: stopped: $(<"$work/stopped")"; else echo "- preflight: passed"; fi
-        for name in warm tier targets kernels sweep; do
+        for name in warm targets cost tier kernels sweep; do
             if [ -s "$work/$name.status" ]; then echo "- $name: $(<"$work/$name.status")"; else echo "- $name: not run"; fi
         done
     } >"$report"
@@ -235,6 +239,8 @@ parallel=()
 
 section warm 90 "$python" benchmarks/triton_warm.py
 section targets 210 "$python" benchmarks/gpu_targets.py --iterations 3
+# where the time goes (the end-to-end rows are the targets' own), still on a quiet machine
+section cost 120 "$python" benchmarks/rollout_cost.py --no-end-to-end
 # -rfEP: the failures, and what passing tests print (the guard's gap under --compile)
 section tier 300 "$python" -m pytest -m cuda -q -rfEP -p no:cacheprovider ${parallel[@]+"${parallel[@]}"} \
     tests/test_gpu.py -k "not gpu_sweep"

@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.sh's report: the machine's own versions first, then one line per part
-(preflight, Triton warm-up, targets, GPU tier, kernels, sweep) saying whether it ran, stopped at
+(preflight, Triton warm-up, targets, where the time goes, GPU tier, kernels, sweep) saying whether it ran, stopped at
 its limit or did not run and why, then each part's output, its head and tail where it is long
 (so that neither the first failure nor the summary is lost; gpu_check.sh keeps the tier's whole
 log beside the report). Standard library only, and every import of the project's packages
@@ -20,11 +20,12 @@ from pathlib import Path
 SECTIONS = [
     ("warm", "Triton warm-up", "python benchmarks/triton_warm.py"),
     ("targets", "Speed targets", "python benchmarks/gpu_targets.py"),
+    ("cost", "Where the time goes", "python benchmarks/rollout_cost.py --no-end-to-end"),
     ("tier", "GPU test tier", "pytest -m cuda tests/test_gpu.py -k 'not gpu_sweep'"),
     ("kernels", "Kernels", "python benchmarks/kernels.py --no-aot"),
     ("sweep", "Sweep, quick grid", "python benchmarks/gpu_sweep.py --quick"),
 ]
-MARKDOWN = {"targets", "sweep"}
+MARKDOWN = {"targets", "cost", "sweep"}
 HEAD, TAIL = 8_000, 16_000  # characters of each part's output kept in the report
 # the distributions the project uses (requirements.txt, and what the GPU tier can use)
 PACKAGES = [

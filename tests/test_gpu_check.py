@@ -107,7 +107,14 @@ def test_a_failing_preflight_still_writes_a_report_naming_why(bare_python):
     assert result.returncode == 1 and len(lines) == 1, lines
     report = result.report.read_text()
     assert "| preflight | - | stopped: missing torch==" in report, report
-    for title in ("Triton warm-up", "GPU test tier", "Speed targets", "Kernels", "Sweep, quick grid"):
+    for title in (
+        "Triton warm-up",
+        "Speed targets",
+        "Where the time goes",
+        "GPU test tier",
+        "Kernels",
+        "Sweep, quick grid",
+    ):
         assert re.search(rf"\| {title} \| - \| not run: the preflight stopped \(missing torch==", report), report
     assert "- torch: cannot be imported (ModuleNotFoundError" in report and "- Python 3." in report, report
     assert "torch (not installed)" in report, report
@@ -204,17 +211,18 @@ def test_the_tier_runs_on_xdist_workers_unless_the_compute_mode_is_exclusive(tmp
     assert result.returncode == 0, lines
     parts = log.read_text().splitlines()
     assert [part.split()[0] for part in parts] == [
-        "benchmarks/triton_warm.py", "benchmarks/gpu_targets.py", "-m", "benchmarks/kernels.py",
-        "benchmarks/gpu_sweep.py",
+        "benchmarks/triton_warm.py", "benchmarks/gpu_targets.py", "benchmarks/rollout_cost.py", "-m",
+        "benchmarks/kernels.py", "benchmarks/gpu_sweep.py",
     ], parts  # fmt: skip
     assert all(part.endswith(f" threads={cores}") for part in parts[1:]), parts
-    tier = parts[2].split()
+    tier = parts[3].split()
     serial = mode == "Exclusive_Process" or cores < 8
     assert (tier[tier.index("-n") + 1] if "-n" in tier else "serially") == ("serially" if serial else "4"), tier
-    assert ("--dist loadgroup" in parts[2]) == (not serial), tier
+    assert ("--dist loadgroup" in parts[3]) == (not serial), tier
     assert ("compute mode Exclusive_Process: the tier runs serially" in result.stdout) == (mode != "Default")
     report = result.report.read_text()
     assert "| Speed targets | 210 s | ran, " in report and "| GPU test tier | 300 s | ran, " in report, report
+    assert "| Where the time goes | 120 s | ran, " in report, report
     assert ("the tier ran serially" in report) == (mode != "Default"), report
 
 
