@@ -1039,14 +1039,17 @@ class StopSignal:
 
 
 def stopped_message(stop, global_step, checkpoint_path) -> str:
-    """One line saying how to continue: the same command with --resume."""
+    """One line saying how to continue: the same command with --resume, the script named from the
+    repository's root (benchmarks/ppo_atari_slm.py) if it lies in it, else by its file name."""
     argv, skip = [], False
     for arg in sys.argv[1:]:  # drop an earlier --resume
         if skip or arg == "--resume" or arg.startswith("--resume="):
             skip = arg == "--resume"
             continue
         argv.append(arg)
-    command = shlex.join(["python", Path(sys.argv[0]).name, *argv, "--resume", str(checkpoint_path)])
+    script, root = Path(sys.argv[0]).resolve(), Path(__file__).resolve().parent
+    name = str(script.relative_to(root)) if script.is_relative_to(root) else script.name
+    command = shlex.join(["python", name, *argv, "--resume", str(checkpoint_path)])
     return f"stopped by {stop.received} at step {global_step:,}; resume with: {command}"
 
 

@@ -20,8 +20,10 @@ interval that contains 0 shows no difference. Across games: human-normalized sco
 interquartile mean (IQM) with a 95% stratified bootstrap interval, and the probability that the
 variant beats the reference on a game (Agarwal et al., NeurIPS 2021, computed by rliable).
 TensorBoard: RUNS_DIR/tensorboard shows the runs as LABEL/GAME/seedN, with each run's flags in
-its HPARAMS tab; the command that opens it is printed. SLM Lab's published Breakout-v5 points
-(PUBLISHED) are drawn beside runs of the same algorithm, within the plot's steps.
+its HPARAMS tab; the command that opens it is printed. Published points (PUBLISHED: SLM Lab's
+and CleanRL's, on Breakout, Pong and Qbert) are drawn beside runs of the same algorithm on the
+same game, within the plot's steps; across games, once the runs reach their step (10M), each
+publisher's own IQM of its scores on the same games is printed below ours.
 Needs benchmarks/requirements.txt (scipy, rliable, matplotlib), installed if missing.
 Run: python benchmarks/learning.py --variants a2c my_a2c.py --env-ids Breakout-v5 Pong-v5 --seeds 1 2 3 4
      python benchmarks/learning.py --variants native-fp32 'lr2=ppo_atari_native.py --learning-rate 5e-4'
@@ -74,40 +76,111 @@ WINDOW = 20  # games in the running mean, as in the issue's target
 LAST_GAMES = 100  # a second, less noisy end-of-run mean
 REACHED = 0.98  # --at: a run reached a step if its last game ended this close to it (games end between steps)
 BOOTSTRAP = 2000  # rliable's resamples for the intervals across games
-# Published Breakout-v5 points under our protocol (sticky actions, a lost life terminal), each
-# with its source: algorithm -> [(label, source, [(agent steps, mean return)])]. SLM Lab's "frames"
-# are its vector env's steps times the envs (slm_lab/env/wrappers.py, tick_timestep): our agent steps.
+
+
+@dataclass
+class Published:
+    """A published learning curve's points, drawn beside runs of its algorithm on its game."""
+
+    who: str  # the publisher and algorithm, the same name on every game: its IQM across games
+    label: str
+    source: str  # where each number was read
+    points: list  # [(agent steps, mean return)]
+
+
+# Published points under our protocol (ALE v5: sticky actions; SLM Lab's with a lost life terminal),
+# each with its source: game -> algorithm -> [Published]. SLM Lab's "frames" are its vector env's
+# steps times the envs (slm_lab/env/wrappers.py, tick_timestep): our agent steps. Its table gives
+# the best of its PPO specs per game, which differ in GAE lambda only (ppo_atari_arc 0.95,
+# ppo_atari_lam85_arc 0.85, ppo_atari_lam70_arc 0.70, slm_lab/spec/benchmark_arc/ppo/ppo_atari_arc.yaml);
+# its Pong and Qbert plots are images not read here, so those games have only the table's 10M figure.
 SLM_PLOT = "kengz/SLM-Lab docs/plots/Breakout-v5_multi_trial_graph_mean_returns_ma_vs_frames.png"
+SLM_TABLE = "kengz/SLM-Lab docs/BENCHMARKS.md, Phase 4 Atari table (MA, 10M frames)"
+MACHADO = "openrlbenchmark/openrlbenchmark static/machado_10M.csv, ppo_atari_envpool_xla_jax_truncation_machado_10M"
+CLEANRL = "CleanRL PPO (envpool, JAX), lambda 0.95, Machado's protocol"
+TEN_M = 10_000_000
 PUBLISHED = {
-    "a2c": [
-        (
-            "SLM Lab A2C (read by eye off its plot; 10M: its table)",
-            f"{SLM_PLOT}; kengz/SLM-Lab docs/BENCHMARKS.md (a2c_gae_atari_arc, 273)",
-            [
-                (1_000_000, 8.0),
-                (2_000_000, 28.0),
-                (3_000_000, 50.0),
-                (5_000_000, 115.0),
-                (7_000_000, 210.0),
-                (10_000_000, 273.0),
-            ],
-        )
-    ],
-    "ppo": [
-        (
-            "SLM Lab PPO, lambda 0.70 (read by eye off its plot; 10M: its table)",
-            f"{SLM_PLOT}; kengz/SLM-Lab docs/BENCHMARKS.md (ppo_atari_lam70_arc, 326.47)",
-            [(3_000_000, 70.0), (5_000_000, 160.0), (7_000_000, 237.0), (10_000_000, 326.47)],
-        ),
-        (
-            "CleanRL PPO (envpool, JAX), lambda 0.95, Machado's protocol (+- 59.41 across its seeds)",
-            "openrlbenchmark/openrlbenchmark static/machado_10M.csv "
-            "(ppo_atari_envpool_xla_jax_truncation_machado_10M, 198.37 +- 59.41)",
-            [(10_000_000, 198.37)],
-        ),
-    ],
+    "Breakout-v5": {
+        "a2c": [
+            Published(
+                "SLM Lab A2C",
+                "SLM Lab A2C (read by eye off its plot; 10M: its table)",
+                f"{SLM_PLOT}; kengz/SLM-Lab docs/BENCHMARKS.md (a2c_gae_atari_arc, 273)",
+                [
+                    (1_000_000, 8.0),
+                    (2_000_000, 28.0),
+                    (3_000_000, 50.0),
+                    (5_000_000, 115.0),
+                    (7_000_000, 210.0),
+                    (TEN_M, 273.0),
+                ],
+            )
+        ],
+        "ppo": [
+            Published(
+                "SLM Lab PPO",
+                "SLM Lab PPO, lambda 0.70 (read by eye off its plot; 10M: its table)",
+                f"{SLM_PLOT}; kengz/SLM-Lab docs/BENCHMARKS.md (ppo_atari_lam70_arc, 326.47)",
+                [(3_000_000, 70.0), (5_000_000, 160.0), (7_000_000, 237.0), (TEN_M, 326.47)],
+            ),
+            Published(
+                "CleanRL PPO",
+                f"{CLEANRL} (+- 59.41 across its seeds)",
+                f"{MACHADO}: Breakout-v5 198.37 +- 59.41",
+                [(TEN_M, 198.37)],
+            ),
+        ],
+    },
+    "Pong-v5": {
+        "a2c": [
+            Published(
+                "SLM Lab A2C",
+                "SLM Lab A2C (its table)",
+                f"{SLM_TABLE}: ALE/Pong-v5, a2c_gae_atari_arc, 10.17 (run a2c_gae_atari_pong_2026_01_31_213635)",
+                [(TEN_M, 10.17)],
+            )
+        ],
+        "ppo": [
+            Published(
+                "SLM Lab PPO",
+                "SLM Lab PPO, lambda 0.85 (its table)",
+                f"{SLM_TABLE}: ALE/Pong-v5, ppo_atari_lam85_arc, 16.69 "
+                "(run ppo_atari_lam85_arc_pong_2026_02_14_103722)",
+                [(TEN_M, 16.69)],
+            ),
+            Published(
+                "CleanRL PPO",
+                f"{CLEANRL} (+- 1.62 across its seeds)",
+                f"{MACHADO}: Pong-v5 15.23 +- 1.62",
+                [(TEN_M, 15.23)],
+            ),
+        ],
+    },
+    "Qbert-v5": {
+        "a2c": [
+            Published(
+                "SLM Lab A2C",
+                "SLM Lab A2C (its table)",
+                f"{SLM_TABLE}: ALE/Qbert-v5, a2c_gae_atari_arc, 12619 (run a2c_gae_atari_qbert_2026_01_31_213720)",
+                [(TEN_M, 12619.0)],
+            )
+        ],
+        "ppo": [
+            Published(
+                "SLM Lab PPO",
+                "SLM Lab PPO, lambda 0.95 (its table)",
+                f"{SLM_TABLE}: ALE/Qbert-v5, ppo_atari_arc, 15460.48 (run ppo_atari_arc_qbert_2026_02_14_120409)",
+                [(TEN_M, 15460.48)],
+            ),
+            Published(
+                "CleanRL PPO",
+                f"{CLEANRL} (+- 392.28 across its seeds)",
+                f"{MACHADO}: Qbert-v5 15130.00 +- 392.28",
+                [(TEN_M, 15130.0)],
+            ),
+        ],
+    },
 }
-PUBLISHED_GAME = "Breakout-v5"
 COLUMNS = ["label", "game", "seed", "step", "wall_time_s", "return"]  # of OUT.csv
 PROGRESS = re.compile(r"step ([\d,]+)/")  # the scripts' progress line
 RUNNING, STOPPING = set(), threading.Event()  # the runs' processes, ended with this tool
@@ -348,11 +421,38 @@ def algorithm_of(label):
 
 
 def published(runs, game):
-    """The published sources, (label, source, points), of the algorithms the runs of game train."""
-    if game != PUBLISHED_GAME:
-        return []
+    """The Published sources on `game` of the algorithms the runs of that game train (by label:
+    a2c_atari, ppo_atari_native, ppo_atari_slm, my_ppo...)."""
     algorithms = sorted({algorithm_of(label) for label, g, _ in runs if g == game})
-    return [source for algorithm in algorithms for source in PUBLISHED[algorithm]]
+    return [source for algorithm in algorithms for source in PUBLISHED.get(game, {}).get(algorithm, [])]
+
+
+def published_iqm(runs, games):
+    """Each publisher's own IQM of human-normalized scores across `games`, from its last point on each
+    (one score per game: no interval), where it published every game and the runs reached that step."""
+    from rliable import metrics
+
+    last_step = max(run[-1][0] for run in runs.values())
+    sources = {}  # who -> {game: Published}
+    for game in games:
+        for source in published(runs, game):
+            sources.setdefault(source.who, {})[game] = source
+    lines = []
+    for who, by_game in sources.items():
+        steps = {source.points[-1][0] for source in by_game.values()}
+        if len(by_game) < len(games) or len(steps) > 1 or last_step < REACHED * min(steps):
+            continue
+        scores = [utils.human_normalized(utils.game_name(game), by_game[game].points[-1][1]) for game in games]
+        if None in scores:
+            continue
+        each = ", ".join(f"{game} {score:.3f}" for game, score in zip(games, scores))
+        iqm = metrics.aggregate_iqm(np.array([scores]))
+        lines.append(f"| {who} | {steps.pop() / 1e6:g}M | {iqm:.3f} | {each} |")
+    if not lines:
+        return []
+    head = "| published | at | IQM (one score per game; under 4 games, their mean) | human-normalized, per game |"
+    return ["", "The publishers' own IQM across the same games (their final figures, not a last fifth):", "",
+            head, "|---|---|---|---|", *lines]  # fmt: skip
 
 
 def group(rows):
@@ -383,10 +483,10 @@ def plot(rows, path):
         by_time.plot(times / 60, mean, color=color, label=label if first else None, alpha=0.9)
     for (by_step, by_time), game in zip(axes, games):
         last_step = max(run[-1][0] for (_, g, _), run in runs.items() if g == game)
-        for marker, (label, _, points) in zip("^vsD", published(runs, game)):
-            shown = [(step, value) for step, value in points if step <= last_step * 1.05]
+        for marker, source in zip("^vsD", published(runs, game)):
+            shown = [(step, value) for step, value in source.points if step <= last_step * 1.05]
             if shown:
-                by_step.plot(*zip(*shown), "k" + marker, label=label)
+                by_step.plot(*zip(*shown), "k" + marker, label=source.label)
         by_step.set_xlabel("agent steps")
         by_time.set_xlabel("wall time (minutes)")
         for ax in (by_step, by_time):
@@ -566,12 +666,14 @@ def summary(rows, reference, marks=()):
         lines += [f"## {game}", "", *tables, ""]
     if len(games) > 1:
         lines += across_games(last_fifth, games, reference)
-    sources = published(runs, PUBLISHED_GAME)
-    if sources:
-        lines += ["", f"| published, {PUBLISHED_GAME} | points (agent steps: mean return) | source |", "|---|---|---|"]
-        for label, source, points in sources:
-            text = ", ".join(f"{step / 1e6:g}M: {value:g}" for step, value in points)
-            lines.append(f"| {label} | {text} | {source} |")
+        lines += published_iqm(runs, games)
+    for game in games:
+        sources = published(runs, game)
+        if sources:
+            lines += ["", f"| published, {game} | points (agent steps: mean return) | source |", "|---|---|---|"]
+        for source in sources:
+            text = ", ".join(f"{step / 1e6:g}M: {value:g}" for step, value in source.points)
+            lines.append(f"| {source.label} | {text} | {source.source} |")
     return "\n".join(lines)
 
 

@@ -190,7 +190,7 @@ def test_old_results_still_read(tmp_path, capsys):
 
 def test_a_step_a_run_has_not_reached_has_no_figure():
     """--at on a run cut short (or still going): 'not reached', and the seeds' mean leaves it out."""
-    game = learning.PUBLISHED_GAME
+    game = "Breakout-v5"
     rows = [("x", game, 1, step, step / 100, float(step // 100)) for step in range(100, 2001, 100)]
     rows += [("x", game, 2, step, step / 100, 1.0) for step in range(100, 1001, 100)]
     rows += [("y", game, 1, step, step / 100, 2.0) for step in range(100, 2001, 100)]
@@ -199,3 +199,54 @@ def test_a_step_a_run_has_not_reached_has_no_figure():
     assert "| x | 1 | 5.50 | 10.50 |" in out  # the last 100 games by then: here every game so far
     assert "| x | 2 | 1.00 | not reached |" in out
     assert "| x | mean (range) of 2 | 3.25 (1.00-5.50) | 10.50 (10.50-10.50, 1 of 2 seeds) |" in out
+
+
+def test_published_points_follow_the_algorithm_and_the_game(monkeypatch):
+    """Runs are drawn and summarized beside their algorithm's published figures on their own game (by
+    label: A2C's beside SLM Lab's A2C, PPO's, the SLM-settings copy's too, beside SLM Lab's PPO and
+    CleanRL's); across Breakout, Pong and Qbert each publisher's own IQM is printed below ours once
+    the runs reach 10M, from atari_scores.csv's random and human scores."""
+    monkeypatch.setattr(learning, "BOOTSTRAP", 50)  # the intervals are not what is tested here
+    games, labels, ten_m = (
+        ["Breakout-v5", "Pong-v5", "Qbert-v5"],
+        ["a2c_atari", "ppo_atari_native", "ppo_atari_slm"],
+        10**7,
+    )
+    steps = range(200_000, ten_m + 1, 200_000)
+    rows = [(label, game, seed, step, step / 1e4, float(seed + labels.index(label)))
+            for label in labels for game in games for seed in (1, 2) for step in steps]  # fmt: skip
+    runs = learning.group(rows)
+
+    def finals(label, game):
+        mine = {key: run for key, run in runs.items() if key[0] == label}
+        return {(source.who, source.points[-1]) for source in learning.published(mine, game)}
+
+    assert finals("a2c_atari", "Pong-v5") == {("SLM Lab A2C", (ten_m, 10.17))}
+    assert finals("a2c_atari", "Qbert-v5") == {("SLM Lab A2C", (ten_m, 12619.0))}
+    assert finals("ppo_atari_native", "Pong-v5") == {("SLM Lab PPO", (ten_m, 16.69)), ("CleanRL PPO", (ten_m, 15.23))}
+    assert finals("ppo_atari_native", "Qbert-v5") == {
+        ("SLM Lab PPO", (ten_m, 15460.48)),
+        ("CleanRL PPO", (ten_m, 15130.0)),
+    }
+    assert finals("ppo_atari_slm", "Breakout-v5") == {
+        ("SLM Lab PPO", (ten_m, 326.47)),
+        ("CleanRL PPO", (ten_m, 198.37)),
+    }
+    assert finals("ppo_atari_slm", "Asterix-v5") == set()  # no published figure: nothing drawn
+
+    out = learning.summary(rows, "ppo_atari_native")
+    across = out[out.index("Across Breakout-v5, Pong-v5, Qbert-v5") :]
+    for label in labels:
+        assert re.search(rf"^\| {label} \| 2 \| [-.\d]+ \[", across, re.M), across
+    # human-normalized (random, human): Breakout (1.7, 30.5), Pong (-20.7, 14.6), Qbert (163.9, 13455.0);
+    # the IQM of three scores trims none: their mean
+    hns = lambda b, p, q: [(b - 1.7) / 28.8, (p + 20.7) / 35.3, (q - 163.9) / (13455.0 - 163.9)]  # noqa: E731
+    for who, scores in [("SLM Lab PPO", hns(326.47, 16.69, 15460.48)), ("SLM Lab A2C", hns(273, 10.17, 12619)),
+                        ("CleanRL PPO", hns(198.37, 15.23, 15130.0))]:  # fmt: skip
+        line = next(x for x in across.splitlines() if x.startswith(f"| {who} | 10M | "))
+        assert float(line.split("|")[3]) == pytest.approx(np.mean(scores), abs=6e-4), line
+    for game in games:
+        assert f"| published, {game} |" in out
+    # runs short of the publishers' step: their IQM would compare another point of the curve
+    short = [row for row in rows if row[3] <= 2_000_000]
+    assert "| SLM Lab PPO | 10M |" not in learning.summary(short, "ppo_atari_native")

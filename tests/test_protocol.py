@@ -299,3 +299,88 @@ def test_a_copy_changes_the_game_with_its_flags(script, tmp_path, monkeypatch, c
     assert run["rewards"].max() == 50
     saved = torch.load(run["run_dir"] / "model.pt", weights_only=True)
     assert saved["num_actions"] == 18 and {name: saved["args"][name] for name in utils.GAME} == run["game"]
+
+
+# ----------------------------------------------------------------------------- SLM Lab's settings
+# benchmarks/ppo_atari_slm.py is ppo_atari_native.py with these edits and no other (after the
+# docstring): the settings of docs/protocol.md's table where SLM Lab's spec differs, and the
+# import path a script under benchmarks/ needs. (ppo_atari_native.py's lines, the copy's)
+SLM_COPY = "benchmarks/ppo_atari_slm.py"
+SLM_EDITS = [
+    ("import random\n", "import random\nimport sys\n"),
+    (
+        "import kernels\nimport utils\n",
+        "sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's kernels and utils\n"
+        "import kernels  # noqa: E402\nimport utils  # noqa: E402\n",
+    ),
+    (
+        '    gae_lambda: float = 0.95\n    """the lambda for the general advantage estimation, in [0, 1]"""',
+        '    gae_lambda: float = 0.70\n    """the lambda for the general advantage estimation, in [0, 1] (SLM Lab\'s '
+        'ppo_atari_lam70_arc)"""',
+    ),
+    (
+        "GELU -> actor and critic heads. The rollout's fused step\n    (kernels.policy_step) computes exactly this "
+        "network; edit it, and the rollout runs forward().",
+        "ReLU (SLM Lab's) -> actor and critic heads. The fused step\n    (kernels.policy_step) computes the GELU "
+        "network, so the rollout runs forward().",
+    ),
+    ("            nn.GELU(),\n", "            nn.ReLU(),  # SLM Lab's hidden activation (ppo_atari_native.py: GELU)\n"),
+    (
+        "    hyper = dict(lr=lr, eps=1e-5) | utils.optimizer_options(device, args.compile)\n"
+        "    optimizer = optim.Adam(agent.parameters(), **hyper)\n",
+        "    # SLM Lab's AdamW, whose spec leaves PyTorch's weight decay (0.01)\n"
+        "    hyper = dict(lr=lr, eps=1e-5, weight_decay=0.01) | utils.optimizer_options(device, args.compile)\n"
+        "    optimizer = optim.AdamW(agent.parameters(), **hyper)\n",
+    ),
+]
+
+
+def test_the_slm_copy_is_ppo_atari_native_at_slm_labs_settings_only():
+    """benchmarks/ppo_atari_slm.py cannot drift from ppo_atari_native.py unseen: its text is the
+    original's with SLM_EDITS (a change to either that is not carried over fails here); its Args
+    differ in the run name and GAE lambda 0.70 only; its Agent in the hidden activation only (ReLU:
+    the fused step refuses it, so the rollout runs the module); its docstring names each setting."""
+    import difflib
+    import importlib.util
+    from dataclasses import MISSING, fields
+
+    import kernels
+
+    native_text, copy_text = (ROOT / "ppo_atari_native.py").read_text(), (ROOT / SLM_COPY).read_text()
+    body = lambda text: text[text.index('"""\n', 3) + 4 :]  # noqa: E731  (after the module docstring)
+    expected = body(native_text)
+    for old, new in SLM_EDITS:
+        assert expected.count(old) == 1, f"ppo_atari_native.py no longer has, once: {old!r}"
+        expected = expected.replace(old, new)
+    diff = "".join(
+        difflib.unified_diff(expected.splitlines(True), body(copy_text).splitlines(True), "expected", SLM_COPY)
+    )
+    assert not diff, f"{SLM_COPY} is not ppo_atari_native.py with SLM_EDITS: carry the change over\n{diff}"
+
+    spec = importlib.util.spec_from_file_location("ppo_atari_slm", ROOT / SLM_COPY)
+    slm = importlib.util.module_from_spec(spec)
+    sys.modules["ppo_atari_slm"] = slm  # dataclasses look their module up while it is made
+    try:
+        spec.loader.exec_module(slm)
+    finally:
+        del sys.modules["ppo_atari_slm"]
+    defaults = lambda module: {f.name: f.default for f in fields(module.Args) if f.default is not MISSING}  # noqa: E731
+    native_args, slm_args = defaults(ppo_atari_native), defaults(slm)
+    assert native_args.keys() == slm_args.keys()
+    assert {k: (v, slm_args[k]) for k, v in native_args.items() if slm_args[k] != v} == {
+        "exp_name": ("ppo_atari_native", "ppo_atari_slm"),
+        "gae_lambda": (0.95, 0.70),
+    }
+    torch.manual_seed(0)
+    native_agent = ppo_atari_native.Agent(4)
+    torch.manual_seed(0)
+    slm_agent = slm.Agent(4)
+    kinds = lambda agent: [type(module).__name__ for module in agent.modules()]  # noqa: E731
+    assert [(a, b) for a, b in zip(kinds(native_agent), kinds(slm_agent)) if a != b] == [("GELU", "ReLU")]
+    native_weights, slm_weights = native_agent.state_dict(), slm_agent.state_dict()
+    assert native_weights.keys() == slm_weights.keys()
+    assert all(torch.equal(native_weights[k], slm_weights[k]) for k in native_weights)  # same init
+    assert kernels.fused_mismatch(slm_agent, 4) == "network[8] is ReLU, the fused step computes GELU"
+    assert kernels.fused_mismatch(native_agent, 4) is None
+    for setting in ("lam: 0.70", "AdamW", "weight decay 0.01", "ReLU", "val_loss_coef: 0.5", "ppo_atari_lam70_arc"):
+        assert setting in slm.__doc__, setting

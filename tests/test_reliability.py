@@ -386,6 +386,10 @@ def test_resume_command_survives_spaces_and_drops_the_old_resume(monkeypatch):
         "python", "ppo_atari_baseline.py", "--runs-dir", "/tmp/my runs", "--seed", "2",
         "--resume", "/tmp/my runs/r/checkpoint.pt",
     ]  # fmt: skip
+    # a script of the repository's benchmarks/ is named from the root, where the command runs
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "benchmarks" / "ppo_atari_slm.py"), "--seed", "2"])
+    message = utils.stopped_message(SimpleNamespace(received="SIGTERM"), 1234, Path("r/checkpoint.pt"))
+    assert shlex.split(STOPPED.fullmatch(message).group(3))[:2] == ["python", "benchmarks/ppo_atari_slm.py"]
 
 
 # ----------------------------------------------------------------------------- 3. bad input
