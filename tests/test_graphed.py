@@ -9,6 +9,7 @@ replay itself to eager (tests/gpu_updates.py graphed)."""
 import inspect
 from types import SimpleNamespace
 
+import gpu_updates
 import pytest
 import torch
 from test_algorithm import A2C_ARGS, BEFORE, TERMINAL, T, fixed_batch, make_agent, ppo_args
@@ -229,3 +230,28 @@ def test_a_resume_between_eager_and_graphed_runs_the_next_update_as_the_writer_w
     torch.testing.assert_close(got_stats, want_stats, rtol=1e-5, atol=1e-6)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-8)
+
+
+@pytest.fixture
+def lone_gloo_rank():
+    """A one-rank process group, for the update at world size 2 (its all-reduce then averages one rank's gradient
+    with nothing: halves it, eagerly and graphed alike)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_gpu_tiers_graphed_update_check_runs_and_tells_a_change(lone_gloo_rank):
+    """tests/gpu_updates.py graphed on the CPU, small (PPO at world size 2, A2C): its updates run eagerly
+    and through GraphedStep, and its checks pass them (equal to the bit here) and fail a weight moved by
+    more than rounding."""
+    for script, count in (("native-torchrun", 1), ("a2c-rmsprop-tf", 2)):
+        eager = gpu_updates.graphed_updates(script, False, CPU, count=count, batch=32, timed=0)
+        graphed = gpu_updates.graphed_updates(script, True, CPU, count=count, batch=32, timed=0)
+        checks = list(gpu_updates.compare_graphed(script, eager, graphed))
+        assert len(eager.losses) == (2 * 4 if script.startswith("native") else 2), script
+        assert all(ok and detail == "equal to the bit" for _, ok, detail in checks[1:]), (script, checks)
+    moved = SimpleNamespace(**{**vars(graphed), "weights": [w + 1e-4 for w in graphed.weights]})
+    assert not any(ok for name, ok, _ in gpu_updates.compare_graphed(script, eager, moved) if name.startswith("w"))
