@@ -159,16 +159,16 @@ def test_a_run_stopped_eagerly_resumes_graphed_and_the_other_way(script, first, 
     """A checkpoint of an eager update resumes graphed (PPO) and a graphed one eagerly (A2C, RMSprop
     capturable with a tensor rate, then not): utils.load_optimizer imposes this run's optimizer, its
     step count on the device or not, and the run ends with every loss logged."""
-    args = ["--num-envs", "8", "--num-steps", "32", "--total-timesteps", str(4 * 256), "--runs-dir", runs_dir]
+    args = ["--num-envs", "8", "--num-steps", "32", "--total-timesteps", str(3 * 256), "--runs-dir", runs_dir]
     args += ["--num-minibatches", "2"] if script.startswith("ppo") else ["--log-interval", "1"]
     stopped = stop_after_first_progress(script, [*args, *first], signal.SIGTERM)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     resumed = run_script(script, *args, *then, "--resume", run_dir_of(stopped))
     assert "saved" in resumed.stdout and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
     scalars = read_scalars(run_dir_of(resumed))
-    assert [step for step, _ in scalars["losses/value_loss"]] == [256 * i for i in range(1, 5)]
+    assert [step for step, _ in scalars["losses/value_loss"]] == [256, 512, 768]
     state = torch.load(run_dir_of(resumed) / "model.pt", map_location="cpu", weights_only=True)
-    assert state["global_step"] == 4 * 256
+    assert state["global_step"] == 3 * 256
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
