@@ -59,7 +59,8 @@ class Args:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """auto: bf16 where the GPU or CPU has it natively, fp32 elsewhere"""
     cuda_graphs: bool = True
-    """on CUDA, replay each batch-step's device work as a captured CUDA graph (off: launch its kernels one by one)"""
+    """on CUDA, replay each batch-step's device work and each update as captured CUDA graphs (off: launch their
+    kernels one by one); docs/update.md"""
     policy: Literal["auto", "fused", "module"] = "auto"
     """the rollout's policy step: fused (the kernels, for the network they mirror), module (Agent.forward), auto"""
     driver: Literal["auto", "single", "threads", "sequential"] = "auto"
@@ -168,7 +169,7 @@ class RMSpropTF(torch.optim.Optimizer):
             torch._foreach_addcmul_(square_avgs, grads, grads, value=1 - alpha)
             denominators = torch._foreach_add(square_avgs, eps)
             torch._foreach_sqrt_(denominators)
-            if isinstance(lr, torch.Tensor):  # --compile: a tensor rate (addcdiv's value must be a number)
+            if isinstance(lr, torch.Tensor):  # compiled or graphed: a tensor rate (addcdiv's value must be a number)
                 torch._foreach_div_(denominators, lr)
                 torch._foreach_addcdiv_(params, grads, denominators, value=-1.0)
             else:
@@ -238,7 +239,8 @@ def gae(rewards, values, dones, gamma, gae_lambda):
 
 
 def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, args, dtype):
-    """Stable-Baselines3's A2C update: one gradient step on the whole batch (--compile compiles it).
+    """Stable-Baselines3's A2C update: one gradient step on the whole batch (--compile compiles it; on
+    CUDA it is replayed from a CUDA graph).
 
     Returns a device tensor [4]: the value, policy and entropy losses and the mean |log-prob -
     rollout's log-prob|; and a device bool: is the loss non-finite. Never syncs with the host.
@@ -336,11 +338,11 @@ if __name__ == "__main__":
         serial=args.driver == "sequential", first_core=first_core,
     )  # fmt: skip
 
-    # optimizer; --compile: a tensor rate, annealed in place, so that the compiled step never recompiles
-    lr = torch.tensor(args.learning_rate, device=device) if args.compile else args.learning_rate
+    # optimizer; compiled or graphed: a tensor rate, annealed in place, so that the step never recompiles or recaptures
+    lr = torch.tensor(args.learning_rate, device=device) if args.compile or graphs else args.learning_rate
     hyper = dict(lr=lr, alpha=args.rms_alpha, eps=args.rms_eps)
     if args.optimizer == "rmsprop":
-        hyper |= utils.optimizer_options(device, args.compile, has_fused=False)
+        hyper |= utils.optimizer_options(device, args.compile, has_fused=False, graphs=graphs)
         optimizer = optim.RMSprop(agent.parameters(), **hyper)
     else:
         optimizer = RMSpropTF(agent.parameters(), **hyper)
@@ -368,6 +370,8 @@ if __name__ == "__main__":
     values = torch.zeros((T + 1, N), device=device)
     rewards = torch.zeros((T, N), device=device)
     dones = torch.zeros((T + 1, N), device=device)
+    advantages = torch.zeros((T, N), device=device)  # GAE's, stored: a CUDA graph reads its inputs in place
+    returns = torch.zeros((T, N), device=device)
     # summed on the device between log lines: the losses, and values and returns for explained variance
     stats = torch.zeros(3, device=device)
     interval_values = torch.zeros((args.log_interval, T, N), device=device)
@@ -381,11 +385,14 @@ if __name__ == "__main__":
         driver=driver, cuda_graphs=graphs, profiler=profiler,
     )  # fmt: skip
 
-    # --compile: the update compiled (docs/update.md), eager where that fails
+    # the update: --compile compiles it (its own CUDA graphs; eager where that fails), else on CUDA one CUDA
+    # graph replays it (docs/update.md)
     optimize = update
     progress = utils.Progress(args.total_timesteps, global_step)
     if args.compile:
         optimize = progress.compiled = utils.CompiledStep(update, device)
+    elif graphs:
+        optimize = utils.GraphedStep(update, device)
 
     # TRY NOT TO MODIFY: start the game
     rollout.start()
@@ -415,7 +422,7 @@ if __name__ == "__main__":
         with profiler("training"):
             # ALGO LOGIC: advantages (gae_lambda=1: n-step returns, bootstrapped from values[T])
             with torch.no_grad():
-                advantages, returns = gae(rewards, values, dones, args.gamma, args.gae_lambda)
+                advantages[:], returns[:] = gae(rewards, values, dones, args.gamma, args.gae_lambda)
 
             # flatten the batch
             b_obs = obs[:T].reshape((-1, *obs_shape))

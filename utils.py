@@ -1,7 +1,7 @@
 """What the Atari scripts share. First the native rollout: threaded env stepping and CUDA stream
 batching. Then the conventions every script follows: flags, torchrun, run directories and logs,
-the compiled update (--compile), checkpoints and stops, the game in gymnasium, evaluation,
-profiling. The design: docs/rollout.md, docs/update.md, docs/protocol.md.
+the compiled update (--compile) and the graphed one (CUDA graphs), checkpoints and stops, the game
+in gymnasium, evaluation, profiling. The design: docs/rollout.md, docs/update.md, docs/protocol.md.
 """
 
 import contextlib
@@ -9,6 +9,8 @@ import copy
 import csv
 import difflib
 import functools
+import gc
+import inspect
 import io
 import math
 import os
@@ -644,13 +646,13 @@ def init_distributed(backend, device: torch.device):
 
 
 def all_reduce_gradients(parameters, world_size):
-    """Average the gradients over the ranks: one all-reduce of one flat buffer (under --compile
-    eagerly, between the compiled backward and optimizer step: CompiledStep has Dynamo skip it)."""
+    """Average the gradients over the ranks: one all-reduce of one flat buffer, eagerly wherever the
+    step is not (--compile: CompiledStep has Dynamo skip it; graphed: between two graphs)."""
     import torch.distributed as dist
 
     grads = [p.grad for p in parameters]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
+    between_graphs(dist.all_reduce, flat)
     flat /= world_size
     offset = 0
     for g in grads:
@@ -841,24 +843,160 @@ class CompiledStep:
         return "" if self.seconds is None else f", compile {self.seconds:.1f} s"
 
 
-def optimizer_options(device: torch.device, compile: bool, has_fused=True) -> dict:
+# ----------------------------------------------------------------------------- the graphed update
+class GraphedStep:
+    """The update's step replayed from CUDA graphs (on CUDA with --cuda-graphs, without --compile):
+    `step(*args)` (forward, loss, backward, clip, optimizer step) runs eagerly at its first call, is
+    captured then, and every later call is one replay (docs/update.md, "The graphed update").
+
+    A graph reads its inputs where they lay at its capture: every tensor argument must be the same
+    memory at every call (checked), but those named in `copied`, which are copied into the graph's
+    own buffer at each call; other arguments are frozen into the graph (checked too). Each replay
+    overwrites the last one's outputs: the caller copies them out at once.
+
+    The capture: after the first call (eager: the first step is eager's, and the optimizer's state
+    exists), `warmup` more calls on a side stream, as PyTorch asks; then the weights, buffers and
+    optimizer state are put back as the first call left them, and the gradients set to None, so that
+    backward makes them in the graph's pool and each replay refills them. Where the step calls
+    `between_graphs(fn, ...)` (torchrun's all-reduce) the capture ends a graph and begins the next:
+    a replay runs the graphs in turn, fn eagerly between them.
+
+    Off CUDA nothing is captured and the rest runs, for the tests: the first call, the warm-up and
+    the restore, the checks and copies, then the step eagerly on the graph's inputs at every call."""
+
+    capturing = None  # the GraphedStep whose capture is running now: between_graphs splits its graph
+
+    def __init__(self, step, device: torch.device, copied=(), warmup=2):
+        names = list(inspect.signature(step).parameters)
+        self.step, self.device, self.warmup = step, device, warmup
+        self.names, self.copied = names, {names.index(name) for name in copied}
+        self.inputs = self.graphs = self.replays = self.outputs = None
+
+    def __call__(self, *args):
+        if self.inputs is None:
+            return self._first_call(args)
+        for i, (arg, captured) in enumerate(zip(args, self.inputs, strict=True)):
+            if not self._same(i, arg, captured):
+                name = self.names[i] if i < len(self.names) else i
+                raise ValueError(f"{self.step.__name__}'s argument {name} is not the one its CUDA graph reads")
+        for i in self.copied:
+            self.inputs[i].copy_(args[i])
+        if self.replays is None:  # off CUDA
+            return self.step(*self.inputs)
+        for replay in self.replays:
+            replay()
+        return self.outputs
+
+    def _same(self, i, arg, captured):
+        if i in self.copied:
+            return (arg.shape, arg.dtype, arg.device) == (captured.shape, captured.dtype, captured.device)
+        if isinstance(captured, torch.Tensor):
+            return isinstance(arg, torch.Tensor) and (arg.data_ptr(), arg.shape, arg.stride(), arg.dtype) == (
+                captured.data_ptr(), captured.shape, captured.stride(), captured.dtype
+            )  # fmt: skip
+        return arg is captured or (not isinstance(arg, torch.Tensor) and arg == captured)
+
+    def _first_call(self, args):
+        optimizers = [arg for arg in args if isinstance(arg, torch.optim.Optimizer)]
+        modules = [arg for arg in args if isinstance(arg, torch.nn.Module)]
+        with warnings.catch_warnings():  # a capturable optimizer warns at a step outside a capture, as these are
+            warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+            out = self.step(*args)
+            state = [p for o in optimizers for group in o.param_groups for p in group["params"]]
+            state += [
+                t for o in optimizers for s in o.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+            ]
+            state += [b for m in modules for b in m.buffers()]
+            with torch.no_grad():
+                saved = [t.clone() for t in state]
+            self.inputs = [arg.clone() if i in self.copied else arg for i, arg in enumerate(args)]
+            stream = new_stream(self.device)
+            fork_streams([stream])
+            with on_stream(stream):
+                for _ in range(self.warmup):
+                    self.step(*self.inputs)
+            join_streams([stream])
+        with torch.no_grad():  # the warm-up stepped: as the first call left them
+            for t, value in zip(state, saved):
+                t.copy_(value)
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        if stream is not None:
+            self._capture(stream)
+        return out
+
+    def _capture(self, stream):
+        torch.cuda.synchronize(self.device)  # as torch.cuda.graph does: no other work, no garbage freed in it
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._C._cuda_clearCublasWorkspaces()  # cuBLAS then makes its workspace in the graph's pool
+        self.pool, self.graphs, self.replays = torch.cuda.graph_pool_handle(), [], []
+        GraphedStep.capturing = self
+        try:
+            with torch.cuda.stream(stream):
+                self._begin()
+                try:
+                    self.outputs = self.step(*self.inputs)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        self.graphs[-1].capture_end()
+                    raise
+                self._end()
+        except Exception as e:
+            reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            raise RuntimeError(
+                f"the update's step cannot be captured in a CUDA graph ({reason}): a sync with the host in it? "
+                "--no-cuda-graphs runs it eagerly"
+            ) from e
+        finally:
+            GraphedStep.capturing = None
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _begin(self):
+        self.graphs.append(torch.cuda.CUDAGraph())
+        self.graphs[-1].capture_begin(pool=self.pool)
+
+    def _end(self):
+        self.graphs[-1].capture_end()
+        self.replays.append(self.graphs[-1].replay)
+
+    def split(self, fn, *args):
+        """In the capture: end the graph here, run fn(*args) eagerly after it at every replay, begin the next."""
+        self._end()
+        self.replays.append(functools.partial(fn, *args))
+        self._begin()
+
+
+def between_graphs(fn, *args):
+    """fn(*args) now; in a GraphedStep's capture, eagerly at this point of every replay, between two graphs
+    (torchrun's all-reduce: with any backend, no collective in a graph)."""
+    if GraphedStep.capturing is None:
+        return fn(*args)
+    GraphedStep.capturing.split(fn, *args)
+
+
+# ----------------------------------------------------------------------------- the optimizer
+def optimizer_options(device: torch.device, compile: bool, has_fused=True, graphs=False) -> dict:
     """A torch optimizer's implementation: eager, fused on CUDA where there is one; --compile, capturable
-    foreach on CUDA, single-tensor on the CPU (docs/update.md). Every key is set: a resume imposes them."""
+    foreach on CUDA, single-tensor on the CPU; graphed (CUDA graphs, on CUDA only), capturable, fused as
+    eagerly where there is a fused one, else foreach (docs/update.md). Every key is set: a resume imposes them."""
     cuda = device.type == "cuda"
-    if not compile:
-        return dict(foreach=None, capturable=False) | (dict(fused=cuda or None) if has_fused else {})
-    return dict(foreach=cuda, capturable=cuda) | (dict(fused=None) if has_fused else {})
+    if compile:
+        return dict(foreach=cuda, capturable=cuda) | (dict(fused=None) if has_fused else {})
+    if graphs and cuda:
+        return dict(foreach=None if has_fused else True, capturable=True) | (dict(fused=True) if has_fused else {})
+    return dict(foreach=None, capturable=False) | (dict(fused=cuda or None) if has_fused else {})
 
 
 def load_optimizer(optimizer, saved: dict, hyper: dict):
     """Restore a checkpoint's optimizer state under this run's `hyper` (rate, implementation), set before
-    loading too, so that eager and --compile resume each other's checkpoints."""
+    loading too, so that eager, --compile and graphed runs resume each other's checkpoints."""
     optimizer.load_state_dict(saved | {"param_groups": [group | hyper for group in saved["param_groups"]]})
     optimizer.param_groups[0].update(hyper)  # the rate tensor itself, not the copy loading made
 
 
 def set_lr(optimizer, lr: float):
-    """The optimizer's rate, in place where it is a tensor (--compile: annealing recompiles nothing)."""
+    """The optimizer's rate, in place where it is a tensor (annealing recompiles and recaptures nothing)."""
     group = optimizer.param_groups[0]
     if isinstance(group["lr"], torch.Tensor):
         group["lr"].fill_(lr)

@@ -11,10 +11,20 @@ eager fallback unused; the first step's losses within 1e-4 of eager's, later one
 relative plus 1e-3 (cuDNN may pick other convolution algorithms for Inductor's graphs than
 eagerly, and the rounding apart grows with each update); the weights close but for a few
 (close_but_a_few). Prints one line per check and exits 1 if any failed.
+
+python tests/gpu_updates.py graphed: the graphed update (utils.GraphedStep, on by default on CUDA)
+against the same update eagerly, each with the optimizer its script makes with and without CUDA graphs,
+from the same weights and batch, in fp32: PPO (fused Adam reads the same tensor rate either way: the
+same kernels), PPO at world size 2 on a one-rank NCCL group (the all-reduce eagerly between two graphs),
+A2C with either optimizer. Checked: one graph replayed per step (two under torchrun), the same number
+of steps, each step's losses within 1e-5 relative plus 1e-5 and the weights within 1e-5 relative plus
+1e-6 (float32 rounding; whether they are equal to the bit is printed); and printed, the host's time per
+PPO minibatch eagerly and graphed (issue 59's target: 1 ms or less graphed).
 """
 
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -118,10 +128,148 @@ def compare(eager, compiled):
         yield f"weights {i} {tuple(want.shape)}", *close_but_a_few(got, want)
 
 
+# ----------------------------------------------------------------------------- the graphed update
+GRAPHED = ["native", "native-torchrun", "a2c-rmsprop", "a2c-rmsprop-tf"]
+GRAPHED_LOSSES = dict(rtol=1e-5, atol=1e-5)  # float32 rounding of losses of order 1
+GRAPHED_WEIGHTS = dict(rtol=1e-5, atol=1e-6)  # and of a few optimizer steps on weights of order 0.1
+
+
+def graphed_updates(script, graphed, device, count=3, batch=512, timed=2):
+    """`count` updates of `script` (GRAPHED) on `device` in fp32, eagerly or through utils.GraphedStep,
+    with the optimizer its main block makes without or with CUDA graphs; then `timed` more, unrecorded,
+    for the host's time. Returns each step's losses, the weights after the recorded updates, the step,
+    and the host's seconds per step of the timed updates (nothing syncs in them)."""
+    from types import SimpleNamespace
+
+    import a2c_atari as a2c
+    import ppo_atari_native as native
+    import utils
+
+    utils.use_device(device, "fp32")
+    cuda_graphs = graphed and device.type == "cuda"  # as the main blocks' `graphs`
+    module = a2c if script.startswith("a2c") else native
+    torch.manual_seed(0)
+    agent = module.Agent(4).to(device, memory_format=torch.channels_last)
+    g = torch.Generator(device=device).manual_seed(1)
+    obs = torch.randint(0, 256, (batch, 4, 84, 84), dtype=torch.uint8, device=device, generator=g)
+    actions = torch.randint(0, 4, (batch,), device=device, generator=g)
+    with torch.no_grad():
+        _, logprobs, _, values = agent.get_action_and_value(obs, actions)
+    values = values.view(-1)
+    advantages = torch.randn(batch, device=device, generator=g)
+    returns = values + advantages
+    losses = []
+    if module is native:
+        args = SimpleNamespace(
+            update_epochs=2, batch_size=batch, minibatch_size=batch // 4, clip_coef=0.1, norm_adv=True,
+            clip_vloss=True, ent_coef=0.01, vf_coef=0.5, max_grad_norm=0.5, target_kl=None,
+        )  # fmt: skip
+        lr = torch.tensor(2.5e-4, device=device) if device.type == "cuda" else 2.5e-4
+        options = utils.optimizer_options(device, False, graphs=cuda_graphs)
+        optimizer = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5, **options)
+        step = (
+            utils.GraphedStep(native.minibatch_step, device, copied=["mb_inds"]) if graphed else native.minibatch_step
+        )
+        world_size = 2 if script == "native-torchrun" else 1
+        data = (obs, actions, logprobs, advantages, returns, values)
+
+        def record(*a):
+            out = step(*a)
+            losses.append(out[0].clone())
+            return out
+
+        def run(i, optimize):
+            utils.set_lr(optimizer, 2.5e-4 * (1 - i / (count + timed)))
+            assert not native.update(agent, optimizer, *data, args, torch.float32, world_size, optimize)[1]
+
+        steps_per_update = args.update_epochs * 4
+        torch.manual_seed(2)
+    else:
+        args = SimpleNamespace(norm_adv=False, ent_coef=0.01, vf_coef=0.25, max_grad_norm=0.5)
+        hyper = dict(lr=torch.tensor(7e-4, device=device) if cuda_graphs else 7e-4, alpha=0.99, eps=1e-5)
+        if script == "a2c-rmsprop":
+            hyper |= utils.optimizer_options(device, False, has_fused=False, graphs=cuda_graphs)
+            optimizer = torch.optim.RMSprop(agent.parameters(), **hyper)
+        else:
+            optimizer = a2c.RMSpropTF(agent.parameters(), **hyper)
+        step = utils.GraphedStep(a2c.update, device) if graphed else a2c.update
+
+        def record(*a):
+            out = step(*a)
+            losses.append(out[0].clone())
+            return out
+
+        def run(i, optimize):
+            utils.set_lr(optimizer, 7e-4 * (1 - i / (count + timed)))
+            assert not optimize(agent, optimizer, obs, actions, logprobs, advantages, returns, args, torch.float32)[1]
+
+        steps_per_update = 1
+    for i in range(count):
+        run(i, record)
+    weights = [p.detach().cpu() for p in agent.parameters()]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    host = 0.0
+    for i in range(count, count + timed):
+        start = time.perf_counter()
+        run(i, step)
+        host += time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    host = host / (timed * steps_per_update) if timed else None
+    return SimpleNamespace(losses=losses, weights=weights, step=step, host=host)
+
+
+def compare_graphed(script, eager, graphed):
+    """(name, ok, detail) for each check of a graphed run against the eager one (as graphed_updates returns them)."""
+    if graphed.step.replays is not None:  # on CUDA
+        want = 2 if script == "native-torchrun" else 1
+        got = len(graphed.step.graphs)
+        yield "replayed from its graphs", got == want, f"{got} graph(s) a step, {len(graphed.step.replays)} replays"
+    yield (
+        "as many steps",
+        len(graphed.losses) == len(eager.losses),
+        f"{len(graphed.losses)} against {len(eager.losses)}",
+    )
+    for i, (got, want) in enumerate(zip(graphed.losses, eager.losses)):
+        error = (got.double() - want.double()).abs().max().item()
+        equal = "equal to the bit" if torch.equal(got, want) else f"max error {error:.2e}"
+        yield f"step {i} losses", bool(torch.allclose(got, want, **GRAPHED_LOSSES)), equal
+    for i, (got, want) in enumerate(zip(graphed.weights, eager.weights)):
+        error = (got.double() - want.double()).abs().max().item()
+        equal = "equal to the bit" if torch.equal(got, want) else f"max error {error:.2e}"
+        yield f"weights {i} {tuple(want.shape)}", bool(torch.allclose(got, want, **GRAPHED_WEIGHTS)), equal
+
+
+def graphed_main(device):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)  # for native-torchrun
+    failures = []
+    for script in GRAPHED:
+        eager, graphed = graphed_updates(script, False, device), graphed_updates(script, True, device)
+        for name, ok, detail in compare_graphed(script, eager, graphed):
+            print(f"{'ok  ' if ok else 'FAIL'} graphed {script} {name}: {detail}", flush=True)
+            if not ok:
+                failures.append(f"{script} {name}")
+        what = "minibatch" if script.startswith("native") else "update"
+        print(f"host time per {what}, {script}: eager {eager.host * 1e3:.2f} ms, graphed {graphed.host * 1e3:.2f} ms")
+    dist.destroy_process_group()
+    if failures:
+        print(f"{len(failures)} failed: {', '.join(failures[:10])}")
+        sys.exit(1)
+    print("all graphed update checks passed")
+
+
 def main():
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+    if sys.argv[1:] == ["graphed"]:
+        device = torch.device("cuda", 0)
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
+        return graphed_main(device)
     if len(sys.argv) != 2 or sys.argv[1] not in SCRIPTS:
-        print(f"usage: python tests/gpu_updates.py [{' | '.join(SCRIPTS)}]", file=sys.stderr)
+        print(f"usage: python tests/gpu_updates.py [{' | '.join(SCRIPTS)} | graphed]", file=sys.stderr)
         sys.exit(2)
     from torch._dynamo.utils import counters
 

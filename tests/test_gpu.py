@@ -5,7 +5,11 @@ a report.
 
 - The headline command for 2 iterations, fp32 and bf16: one driver thread, a worker thread
   per batch, --driver sequential and --no-cuda-graphs all compute the same run (the weights after
-  two updates are equal to the bit, so every action was too).
+  two updates are equal to the bit, so every action was too; --no-cuda-graphs also runs the
+  update eagerly, which the others replay from a CUDA graph per minibatch).
+- The graphed update against eager, in a child process (tests/gpu_updates.py graphed): PPO, PPO
+  at world size 2 (the all-reduce between two graphs), A2C with either optimizer; the host's
+  time per minibatch printed. A run stopped eagerly resumes graphed, and the other way round.
 - Stacks of 1 and 8 frames of 64x64 and 96x96 pixels: the fused step from CUDA graphs computes
   the run it computes without them.
 - A rollout under PyTorch's CUDA sanitizer reports no race between the streams.
@@ -134,6 +138,39 @@ def test_a2c_compiled_on_the_module_step_stops_and_resumes_eagerly(runs_dir):
 # ----------------------------------------------------------------------------- the rest
 
 
+def test_graphed_update_equals_eager():
+    """The update replayed from one CUDA graph per step (the default on CUDA) against the same update
+    eagerly, in fp32, in a child process (tests/gpu_updates.py graphed says what is checked); its
+    host time per minibatch, eagerly and graphed, printed for gpu_check.sh's report."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "gpu_updates.py"), "graphed"], cwd=ROOT, env=script_env(),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    assert "all graphed update checks passed" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "script, first, then",
+    [("ppo_atari_native.py", ["--no-cuda-graphs"], []), ("a2c_atari.py", [], ["--no-cuda-graphs"])],
+)
+def test_a_run_stopped_eagerly_resumes_graphed_and_the_other_way(script, first, then, runs_dir):
+    """A checkpoint of an eager update resumes graphed (PPO) and a graphed one eagerly (A2C, RMSprop
+    capturable with a tensor rate, then not): utils.load_optimizer imposes this run's optimizer, its
+    step count on the device or not, and the run ends with every loss logged."""
+    args = ["--num-envs", "8", "--num-steps", "32", "--total-timesteps", str(3 * 256), "--runs-dir", runs_dir]
+    args += ["--num-minibatches", "2"] if script.startswith("ppo") else ["--log-interval", "1"]
+    stopped = stop_after_first_progress(script, [*args, *first], signal.SIGTERM)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    resumed = run_script(script, *args, *then, "--resume", run_dir_of(stopped))
+    assert "saved" in resumed.stdout and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    scalars = read_scalars(run_dir_of(resumed))
+    assert [step for step, _ in scalars["losses/value_loss"]] == [256, 512, 768]
+    state = torch.load(run_dir_of(resumed) / "model.pt", map_location="cpu", weights_only=True)
+    assert state["global_step"] == 3 * 256
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_headline_command_computes_the_same_run_whoever_drives_it(precision, runs_dir):
     args = [*HEADLINE, *TWO_ITERATIONS, "--precision", precision, "--runs-dir", runs_dir]
@@ -159,8 +196,9 @@ def test_headline_command_computes_the_same_run_whoever_drives_it(precision, run
 
 
 def test_an_edited_network_runs_its_forward_from_cuda_graphs(runs_dir, tmp_path):
-    """The general policy step (Agent.forward, under bf16 autocast) captured in CUDA graphs:
-    the same run as without graphs and with a worker thread per batch, and ratio 1 at first."""
+    """The general policy step (Agent.forward, under bf16 autocast) captured in CUDA graphs, beside
+    the graphed update: the same run as without graphs and with a worker thread per batch, and
+    ratio 1 at first."""
     script = tmp_path / "native_layernorm.py"
     text = (ROOT / "ppo_atari_native.py").read_text()
     script.write_text(

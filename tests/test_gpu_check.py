@@ -423,7 +423,11 @@ def test_the_gpu_tiers_compile_tests_start_first():
     text = (ROOT / "tests" / "test_gpu.py").read_text()
     tests = [node for node in ast.parse(text).body if getattr(node, "name", "").startswith("test_")]
     sources = [ast.get_source_segment(text, node) for node in tests]
-    compiling = [i for i, source in enumerate(sources) if '"--compile"' in source or "gpu_updates.py" in source]
+    # gpu_updates.py compiles, but for its "graphed" checks (no Inductor)
+    compiling = [
+        i for i, source in enumerate(sources)
+        if '"--compile"' in source or ("gpu_updates.py" in source and '"graphed"' not in source)
+    ]  # fmt: skip
     assert compiling == list(range(len(compiling))), [node.name for node in tests]
     values = [
         [len(d.args[1].elts) for d in tests[i].decorator_list if "parametrize" in ast.unparse(d)] for i in compiling
