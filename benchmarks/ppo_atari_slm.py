@@ -74,7 +74,8 @@ class Args:
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """auto: bf16 where the GPU or CPU has it natively, fp32 elsewhere"""
     cuda_graphs: bool = True
-    """on CUDA, replay each batch-step's device work as a captured CUDA graph (off: launch its kernels one by one)"""
+    """on CUDA, replay each batch-step's device work and each update minibatch as captured CUDA graphs (off: launch
+    their kernels one by one); docs/update.md"""
     policy: Literal["auto", "fused", "module"] = "auto"
     """the rollout's policy step: fused (the kernels, for the network they mirror), module (Agent.forward), auto"""
     driver: Literal["auto", "single", "threads", "sequential"] = "auto"
@@ -242,8 +243,9 @@ def parse_args() -> Args:
 def minibatch_step(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, mb_inds, args,
                    dtype, world_size):  # fmt: skip
     """One PPO minibatch: the loss, backward, the gradient clip and Adam's step (--compile compiles
-    this function). Returns, on the device, [v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl,
-    clipfrac, logprob_gap] and whether the loss is non-finite."""
+    this function; on CUDA it is replayed from a CUDA graph: no sync with the host in it). Returns, on
+    the device, [v_loss, pg_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac, logprob_gap] and
+    whether the loss is non-finite."""
     optimizer.zero_grad()  # first: a compiled attempt that failed half-way leaves no gradient behind
     with torch.autocast(b_obs.device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb_inds], b_actions[mb_inds])
@@ -295,7 +297,7 @@ def minibatch_step(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages,
 def update(agent, optimizer, b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values, args, dtype, world_size,
            optimize=minibatch_step):  # fmt: skip
     """CleanRL's PPO update, shuffled by torch's RNG, a minibatch at a time by `optimize` (minibatch_step,
-    or it compiled); only target_kl syncs with the host. Returns, on the device, stats [8] (the last
+    or it compiled or graphed); only target_kl syncs with the host. Returns, on the device, stats [8] (the last
     minibatch's value, policy and entropy losses, old_approx_kl, approx_kl; the clip fractions' sum
     and count; the first minibatch's mean |log-prob - rollout's|) and whether any loss was non-finite."""
     device = b_obs.device
@@ -391,10 +393,12 @@ if __name__ == "__main__":
         serial=args.driver == "sequential", first_core=first_core,
     )  # fmt: skip
 
-    # optimizer; --compile: a tensor rate, annealed in place, so that the compiled step never recompiles
-    lr = torch.tensor(args.learning_rate, device=device) if args.compile else args.learning_rate
+    # optimizer; a tensor rate, annealed in place, where the step is compiled or graphed (so that it never
+    # recompiles or recaptures), and so on CUDA: --no-cuda-graphs then launches the same fused Adam
+    tensor_rate = args.compile or device.type == "cuda"
+    lr = torch.tensor(args.learning_rate, device=device) if tensor_rate else args.learning_rate
     # SLM Lab's AdamW, whose spec leaves PyTorch's weight decay (0.01)
-    hyper = dict(lr=lr, eps=1e-5, weight_decay=0.01) | utils.optimizer_options(device, args.compile)
+    hyper = dict(lr=lr, eps=1e-5, weight_decay=0.01) | utils.optimizer_options(device, args.compile, graphs=graphs)
     optimizer = optim.AdamW(agent.parameters(), **hyper)
     if checkpoint is not None:
         agent.load_state_dict(checkpoint["model"])
@@ -426,6 +430,8 @@ if __name__ == "__main__":
     values = torch.zeros((T + 1, N), device=device)
     rewards = torch.zeros((T, N), device=device)
     dones = torch.zeros((T + 1, N), device=device)
+    advantages = torch.zeros((T, N), device=device)  # GAE's, stored: a CUDA graph reads its inputs in place
+    returns = torch.zeros((T, N), device=device)
 
     # the rollout (utils.BatchedRollout): per env batch a stream, buffers and CUDA graphs
     profiler = utils.Profiler(args.profile, run_dir, device)  # --profile: time per phase, a trace
@@ -434,11 +440,14 @@ if __name__ == "__main__":
         driver=driver, cuda_graphs=graphs, profiler=profiler,
     )  # fmt: skip
 
-    # --compile: the minibatch step compiled (docs/update.md), eager where that fails
+    # the minibatch step: --compile compiles it (its own CUDA graphs; eager where that fails), else on CUDA
+    # one CUDA graph replays it, the minibatch's indices copied in: one graph, not one per position (docs/update.md)
     optimize = minibatch_step
     progress = utils.Progress(args.total_timesteps, global_step)
     if args.compile:
         optimize = progress.compiled = utils.CompiledStep(minibatch_step, device)
+    elif graphs:
+        optimize = utils.GraphedStep(minibatch_step, device, copied=["mb_inds"])
 
     # TRY NOT TO MODIFY: start the game
     rollout.start()
@@ -469,7 +478,7 @@ if __name__ == "__main__":
         with profiler("training"):
             # ALGO LOGIC: advantages
             with torch.no_grad():
-                advantages, returns = gae(rewards, values, dones, args.gamma, args.gae_lambda)
+                advantages[:], returns[:] = gae(rewards, values, dones, args.gamma, args.gae_lambda)
 
             # flatten the batch
             b_obs = obs[:T].reshape((-1, *obs_shape))

@@ -326,10 +326,11 @@ SLM_EDITS = [
     ),
     ("            nn.GELU(),\n", "            nn.ReLU(),  # SLM Lab's hidden activation (ppo_atari_native.py: GELU)\n"),
     (
-        "    hyper = dict(lr=lr, eps=1e-5) | utils.optimizer_options(device, args.compile)\n"
+        "    hyper = dict(lr=lr, eps=1e-5) | utils.optimizer_options(device, args.compile, graphs=graphs)\n"
         "    optimizer = optim.Adam(agent.parameters(), **hyper)\n",
         "    # SLM Lab's AdamW, whose spec leaves PyTorch's weight decay (0.01)\n"
-        "    hyper = dict(lr=lr, eps=1e-5, weight_decay=0.01) | utils.optimizer_options(device, args.compile)\n"
+        "    hyper = dict(lr=lr, eps=1e-5, weight_decay=0.01) | "
+        "utils.optimizer_options(device, args.compile, graphs=graphs)\n"
         "    optimizer = optim.AdamW(agent.parameters(), **hyper)\n",
     ),
 ]
