@@ -14,8 +14,9 @@ same envs, batches and C++ env threads the script would use here (Breakout-v5, i
    and the device wait; ale-py's own calls are timed apart, on a batch already done;
 3. the rollout's steps/s: collect() as the script calls it (its driver), real and copy-only step;
 4. the update alone per iteration (random data, the script's update): host time to queue it and
-   wall time to finish it, eagerly and, with --compile, compiled (a cold compile takes minutes
-   on a CPU, so it is off by default there);
+   wall time to finish it, eagerly, graphed (utils.GraphedStep: one CUDA graph replay per
+   minibatch, as the script runs it on CUDA) and, with --compile, compiled (a cold compile takes
+   minutes, so it is off by default);
 5. end to end: ppo_atari_native.py itself for 3 iterations, steps/s after the first.
 
 Medians over --rounds. On a CPU the device is the CPU: CUDA's rows (GPU wait, graphs) say so.
@@ -260,19 +261,22 @@ def ale_calls(setup, repeats=200):
 
 
 # ----------------------------------------------------------------------------- the update
-def update_cost(setup, rounds, compile=False):
+def update_cost(setup, rounds, mode="eager"):
     """(host seconds to queue one iteration's update, wall seconds to finish it, minibatches) for
     ppo_atari_native.update on random data of the script's shapes (medians; the first call, with a
     compile if any, is left out). On a CPU one epoch of the four stands for the iteration: the
     figures are scaled by 4 (an epoch on 2 cores takes seconds)."""
+    compile, graphs = mode == "--compile", mode == "graphed"
     args = native.Args(num_envs=setup.num_envs, compile=compile)
     epochs, args.update_epochs = args.update_epochs, args.update_epochs if setup.device.type == "cuda" else 1
     args.batch_size = args.num_envs * args.num_steps
     args.minibatch_size = args.batch_size // args.num_minibatches
     device, B = setup.device, args.batch_size
     agent = native.Agent(setup.num_actions).to(device, memory_format=torch.channels_last)
-    lr = torch.tensor(args.learning_rate, device=device) if compile else args.learning_rate
-    optimizer = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5, **utils.optimizer_options(device, compile))
+    # the script's optimizer: a tensor rate where the step is compiled or on CUDA
+    lr = torch.tensor(args.learning_rate, device=device) if compile or device.type == "cuda" else args.learning_rate
+    options = utils.optimizer_options(device, compile, graphs=graphs)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=lr, eps=1e-5, **options)
     g = torch.Generator(device=device).manual_seed(0)
     b_obs = torch.randint(0, 256, (B, 4, 84, 84), dtype=torch.uint8, device=device, generator=g)
     b_actions = torch.randint(0, setup.num_actions, (B,), device=device, generator=g)
@@ -282,6 +286,8 @@ def update_cost(setup, rounds, compile=False):
     if compile:
         torch._dynamo.mark_static_address(b_obs)
         optimize = utils.CompiledStep(native.minibatch_step, device)
+    elif graphs:  # off CUDA its checks and copies run, and the step eagerly
+        optimize = utils.GraphedStep(native.minibatch_step, device, copied=["mb_inds"])
     data = (b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values)
     host, wall = [], []
     for i in range(rounds + 1):
@@ -338,15 +344,16 @@ def measure(config, device, precision, rounds, compile, end_to_end):
         "|---|---|---|---|---|",
         f"| driver {driver} | {alone:,.0f} | {copy:,.0f} | {real:,.0f} | {real / alone:.0%} |",
     ]
-    modes = [("eager", False)] + ([("--compile", True)] if compile else [])
+    modes = ["eager", "graphed"] + (["--compile"] if compile else [])
     lines += [
         "",
         "| update per iteration | host to queue it, ms | wall, ms | host per minibatch, ms |",
         "|---|---|---|---|",
     ]
-    for name, flag in modes:
-        host, wall, minibatches = update_cost(setup, rounds, compile=flag)
-        lines.append(f"| {name} | {host * 1e3:,.1f} | {wall * 1e3:,.1f} | {host / minibatches * 1e3:,.2f} |")
+    for name in modes:
+        host, wall, minibatches = update_cost(setup, rounds, name)
+        label = f"{name} (no CUDA: eager)" if name == "graphed" and device.type != "cuda" else name
+        lines.append(f"| {label} | {host * 1e3:,.1f} | {wall * 1e3:,.1f} | {host / minibatches * 1e3:,.2f} |")
     if end_to_end:
         sys.path.append(str(ROOT / "benchmarks"))  # last: benchmarks/kernels.py is not the root's kernels
         from gpu_sweep import run as run_script
