@@ -256,7 +256,7 @@ def test_triton_kernels_compiled_for_this_gpu_equal_their_references(precision):
     env = script_env()
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "gpu_kernels.py"), precision], cwd=ROOT, env=env, capture_output=True,
-        text=True,
+        text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "all kernel checks passed" in result.stdout
