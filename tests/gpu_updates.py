@@ -79,6 +79,21 @@ def weight_checks(compiled, eager):
         yield name, error <= tolerance, f"change off by {error:.2e}, {error / tolerance:.2f} of the tolerance"
 
 
+def agent_and_batch(module, device, batch, memory_format=torch.channels_last):
+    """`module`'s Agent from seed 0, a generator seeded 1 and a random batch drawn from it: frames,
+    actions, the agent's own log-probs and values, advantages, and returns = values + advantages."""
+    torch.manual_seed(0)
+    agent = module.Agent(4).to(device, memory_format=memory_format)
+    g = torch.Generator(device=device).manual_seed(1)
+    obs = torch.randint(0, 256, (batch, 4, 84, 84), dtype=torch.uint8, device=device, generator=g)
+    actions = torch.randint(0, 4, (batch,), device=device, generator=g)
+    with torch.no_grad():
+        _, logprobs, _, values = agent.get_action_and_value(obs, actions)
+    values = values.view(-1)
+    advantages = torch.randn(batch, device=device, generator=g)
+    return agent, g, (obs, actions, logprobs, values, advantages, values + advantages)
+
+
 def updates(script, compile, device, count=3, memory_format=torch.channels_last):
     """`count` updates of `script` (native: Adam; a2c-rmsprop, a2c-rmsprop-tf: A2C's --optimizer)
     on `device` in fp32: each step's losses, the weights before and after, Dynamo's graphs after
@@ -91,18 +106,9 @@ def updates(script, compile, device, count=3, memory_format=torch.channels_last)
 
     utils.use_device(device, "fp32")
     module = native if script == "native" else a2c
-    torch.manual_seed(0)
-    agent = module.Agent(4).to(device, memory_format=memory_format)
-    before = [p.detach().cpu().clone() for p in agent.parameters()]
-    g = torch.Generator(device=device).manual_seed(1)
     B = 16 * 32  # either script's default batch
-    obs = torch.randint(0, 256, (B, 4, 84, 84), dtype=torch.uint8, device=device, generator=g)
-    actions = torch.randint(0, 4, (B,), device=device, generator=g)
-    with torch.no_grad():
-        _, logprobs, _, values = agent.get_action_and_value(obs, actions)
-    values = values.view(-1)
-    advantages = torch.randn(B, device=device, generator=g)
-    returns = values + advantages
+    agent, g, (obs, actions, logprobs, values, advantages, returns) = agent_and_batch(module, device, B, memory_format)
+    before = [p.detach().cpu().clone() for p in agent.parameters()]
     # the rollout's log-probs and values a little off the learner's: the first step clips some
     # ratios and values already (its losses are not fixed by ratio 1)
     logprobs = logprobs + 0.1 * torch.randn(B, device=device, generator=g)
@@ -205,16 +211,7 @@ def graphed_updates(script, graphed, device, count=3, batch=512, timed=2):
     utils.use_device(device, "fp32")
     cuda_graphs = graphed and device.type == "cuda"  # as the main blocks' `graphs`
     module = a2c if script.startswith("a2c") else native
-    torch.manual_seed(0)
-    agent = module.Agent(4).to(device, memory_format=torch.channels_last)
-    g = torch.Generator(device=device).manual_seed(1)
-    obs = torch.randint(0, 256, (batch, 4, 84, 84), dtype=torch.uint8, device=device, generator=g)
-    actions = torch.randint(0, 4, (batch,), device=device, generator=g)
-    with torch.no_grad():
-        _, logprobs, _, values = agent.get_action_and_value(obs, actions)
-    values = values.view(-1)
-    advantages = torch.randn(batch, device=device, generator=g)
-    returns = values + advantages
+    agent, _, (obs, actions, logprobs, values, advantages, returns) = agent_and_batch(module, device, batch)
     losses = []
     if module is native:
         args = SimpleNamespace(
