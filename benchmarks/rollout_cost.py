@@ -17,7 +17,9 @@ same envs, batches and C++ env threads the script would use here (Breakout-v5, i
    wall time to finish it, eagerly, graphed (utils.GraphedStep: one CUDA graph replay per
    minibatch, as the script runs it on CUDA) and, with --compile, compiled (a cold compile takes
    minutes, so it is off by default);
-5. end to end: ppo_atari_native.py itself for 3 iterations, steps/s after the first.
+5. end to end: ppo_atari_native.py itself for 3 iterations, steps/s after the first;
+and what limits an iteration: the rollout's time against the driver's host time and the envs
+alone, beside the update's.
 
 Medians over --rounds. On a CPU the device is the CPU: CUDA's rows (GPU wait, graphs) say so.
 Run: python benchmarks/rollout_cost.py [--configs 16x8 16x2] [--rounds 3] [--compile] [--out FILE.md]
@@ -313,6 +315,28 @@ def us(seconds):
     return f"{seconds * 1e6:,.0f}"
 
 
+def what_limits(setup, alone, real_phases, real, update):
+    """One line: an iteration's time as the script spends it (the rollout at the real step's steps/s,
+    the update as the script runs it), and which of the rollout's bounds binds: the driver's host
+    time (its phases apart from waiting, every batch-step of the horizon), or the envs alone."""
+    steps = setup.steps * setup.num_envs
+    rollout, envs = steps / real, steps / alone
+    driver = sum(v for k, v in real_phases[0].items() if k not in WAITS) * (setup.steps + 1) * setup.num_batches
+    if update > rollout:
+        limit = "the update"
+    elif driver >= 0.8 * rollout:
+        limit = "the driver's host time"
+    elif envs >= 0.8 * rollout:
+        limit = "the envs"
+    else:
+        limit = "waiting: neither the driver's host time nor the envs alone account for the rollout's time"
+    return (
+        f"An iteration of {steps:,} steps: rollout {rollout * 1e3:,.0f} ms (the driver's host time apart from "
+        f"waiting {driver * 1e3:,.0f} ms, the envs alone {envs * 1e3:,.0f} ms) + update {update * 1e3:,.0f} ms "
+        f"= {steps / (rollout + update):,.0f} steps/s at most; what limits it: **{limit}**."
+    )
+
+
 def measure(config, device, precision, rounds, compile, end_to_end):
     num_envs, num_batches = config
     setup = Setup(num_envs, num_batches, device, precision)
@@ -350,10 +374,12 @@ def measure(config, device, precision, rounds, compile, end_to_end):
         "| update per iteration | host to queue it, ms | wall, ms | host per minibatch, ms |",
         "|---|---|---|---|",
     ]
+    walls = {}
     for name in modes:
-        host, wall, minibatches = update_cost(setup, rounds, name)
+        host, walls[name], minibatches = update_cost(setup, rounds, name)
         label = f"{name} (no CUDA: eager)" if name == "graphed" and device.type != "cuda" else name
-        lines.append(f"| {label} | {host * 1e3:,.1f} | {wall * 1e3:,.1f} | {host / minibatches * 1e3:,.2f} |")
+        lines.append(f"| {label} | {host * 1e3:,.1f} | {walls[name] * 1e3:,.1f} | {host / minibatches * 1e3:,.2f} |")
+    lines += ["", what_limits(setup, alone, phases["now, real step"], real, walls["graphed"])]
     if end_to_end:
         sys.path.append(str(ROOT / "benchmarks"))  # last: benchmarks/kernels.py is not the root's kernels
         from gpu_sweep import run as run_script
