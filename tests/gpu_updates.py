@@ -227,11 +227,6 @@ def graphed_updates(script, graphed, device, count=3, batch=512, timed=2):
         world_size = 2 if script == "native-torchrun" else 1
         data = (obs, actions, logprobs, advantages, returns, values)
 
-        def record(*a):
-            out = step(*a)
-            losses.append(out[0].clone())
-            return out
-
         def run(i, optimize):
             utils.set_lr(optimizer, 2.5e-4 * (1 - i / (count + timed)))
             assert not native.update(agent, optimizer, *data, args, torch.float32, world_size, optimize)[1]
@@ -248,16 +243,17 @@ def graphed_updates(script, graphed, device, count=3, batch=512, timed=2):
             optimizer = a2c.RMSpropTF(agent.parameters(), **hyper)
         step = utils.GraphedStep(a2c.update, device) if graphed else a2c.update
 
-        def record(*a):
-            out = step(*a)
-            losses.append(out[0].clone())
-            return out
-
         def run(i, optimize):
             utils.set_lr(optimizer, 7e-4 * (1 - i / (count + timed)))
             assert not optimize(agent, optimizer, obs, actions, logprobs, advantages, returns, args, torch.float32)[1]
 
         steps_per_update = 1
+
+    def record(*a):  # the step as `run` calls it, its losses kept
+        out = step(*a)
+        losses.append(out[0].clone())
+        return out
+
     for i in range(count):
         run(i, record)
     weights = [p.detach().cpu() for p in agent.parameters()]
