@@ -315,13 +315,18 @@ def us(seconds):
     return f"{seconds * 1e6:,.0f}"
 
 
+def host_apart_from_waiting(times):
+    """A batch-step's host seconds in every phase but those that wait for the envs or the device."""
+    return sum(seconds for phase, seconds in times.items() if phase not in WAITS)
+
+
 def what_limits(setup, alone, real_phases, real, update):
     """One line: an iteration's time as the script spends it (the rollout at the real step's steps/s,
     the update as the script runs it), and which of the rollout's bounds binds: the driver's host
     time (its phases apart from waiting, every batch-step of the horizon), or the envs alone."""
     steps = setup.steps * setup.num_envs
     rollout, envs = steps / real, steps / alone
-    driver = sum(v for k, v in real_phases[0].items() if k not in WAITS) * (setup.steps + 1) * setup.num_batches
+    driver = host_apart_from_waiting(real_phases[0]) * (setup.steps + 1) * setup.num_batches
     if update > rollout:
         limit = "the update"
     elif driver >= 0.8 * rollout:
@@ -353,10 +358,10 @@ def measure(config, device, precision, rounds, compile, end_to_end):
     ]
     lines += ["|---" * (len(PHASES) + 3) + "|"]
     for name, (times, sps) in phases.items():
-        host = sum(v for k, v in times.items() if k not in WAITS)
+        host = host_apart_from_waiting(times)
         lines.append(f"| {name} | " + " | ".join(us(times[k]) for k in PHASES) + f" | **{us(host)}** | {sps:,.0f} |")
-    before = sum(v for k, v in phases["before, copy-only step"][0].items() if k not in WAITS)
-    now = sum(v for k, v in phases["now, copy-only step"][0].items() if k not in WAITS)
+    before = host_apart_from_waiting(phases["before, copy-only step"][0])
+    now = host_apart_from_waiting(phases["now, copy-only step"][0])
     lines += ["", f"Host time per batch-step apart from waiting, copy-only step: now / before = {now / before:.2f}"]
     calls = ale_calls(setup)
     lines += ["", "ale-py's own calls on one batch, us: " + ", ".join(f"{k} {us(v)}" for k, v in calls.items())]
