@@ -950,7 +950,7 @@ class GraphedStep:
             ) from e
         finally:
             GraphedStep.capturing = None
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        join_streams([stream])
 
     def _begin(self):
         self.graphs.append(torch.cuda.CUDAGraph())
