@@ -62,9 +62,8 @@ def last_fifths(rows, game):
 
 def test_copies_against_originals_on_two_games(tmp_path):
     copy_with(tmp_path, "a2c_atari.py", "my_a2c.py", "ent_coef: float = 0.01", "ent_coef: float = 0.02")
-    copy_with(tmp_path, "ppo_atari_native.py", "my_ppo.py", "ent_coef: float = 0.01", "ent_coef: float = 0.02")
-    variants = [f"a2c=a2c_atari.py {A2C}", f"my_a2c={tmp_path}/my_a2c.py {A2C}",
-                f"ppo=ppo_atari_native.py {PPO}", f"my_ppo={tmp_path}/my_ppo.py {PPO}"]  # fmt: skip
+    # a copy and another script, each against the reference: 12 runs
+    variants = [f"a2c=a2c_atari.py {A2C}", f"my_a2c={tmp_path}/my_a2c.py {A2C}", f"ppo=ppo_atari_native.py {PPO}"]
     command = ["--variants", *variants, "--env-ids", *GAMES, "--seeds", "1", "2", "--total-timesteps", TOTAL,
                "--out", str(tmp_path / "cmp"), "--runs-dir", str(tmp_path / "runs"), "--jobs", "2",
                "--run-timeout", "240"]  # fmt: skip
@@ -75,7 +74,7 @@ def test_copies_against_originals_on_two_games(tmp_path):
         reader = csv.DictReader(f)
         assert reader.fieldnames == ["label", "game", "seed", "step", "wall_time_s", "return"]
         rows = list(reader)
-    labels = ["a2c", "my_a2c", "ppo", "my_ppo"]
+    labels = ["a2c", "my_a2c", "ppo"]
     assert {(r["label"], r["game"], r["seed"]) for r in rows} == {
         (label, game, seed) for label in labels for game in GAMES for seed in "12"
     }

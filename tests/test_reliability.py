@@ -2,10 +2,12 @@
 atomic checkpoints, one clear line for each bad input, evaluation, and a clean stop when
 training goes non-finite."""
 
+import functools
 import hashlib
 import importlib
 import importlib.util
 import io
+import json
 import os
 import re
 import runpy
@@ -454,6 +456,12 @@ def bad_inputs(script):
 
 
 BAD_INPUTS = [(script, *case) for script in SCRIPTS for case in bad_inputs(script)]
+# the cases also run as users run them, one interpreter each: tests/main_blocks.py, which runs
+# the others' main blocks in one interpreter per script, must give what these give
+OWN_PROCESS = ("unknown-game", "misspelled-flag", "resume-payload")
+# two runs at a time on two cores: OpenMP threads spin while they wait for each other, and the
+# check's probe network (its orthogonal init) took seconds instead of milliseconds
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 PAYLOAD_MARKER = "payload-ran"
 
 
@@ -467,12 +475,17 @@ class Payload:
         return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
 
 
+@functools.cache
+def network_of(script, actions):
+    """The script's Agent and an Adam over it, made once: a checkpoint is written of each many times."""
+    agent = importlib.import_module(Path(script).stem).Agent(actions)
+    return agent, torch.optim.Adam(agent.parameters())
+
+
 def valid_checkpoint(script, actions=4, **changes):
     """A checkpoint of `script` as the script writes it (for Breakout-v5, 4 actions), with
     `changes` applied (None removes a key); `actions` sizes the network and num_actions."""
-    module = importlib.import_module(Path(script).stem)
-    agent = module.Agent(actions)
-    optimizer = torch.optim.Adam(agent.parameters())
+    agent, optimizer = network_of(script, actions)
     state = {
         "script": script, "env_id": "Breakout-v5", "args": {"num_envs": 4, "num_steps": 16, "total_timesteps": 320},
         "num_actions": actions, "model": agent.state_dict(), "optimizer": optimizer.state_dict(),
@@ -488,8 +501,9 @@ def valid_checkpoint(script, actions=4, **changes):
 
 @pytest.fixture(scope="module")
 def bad_input_results(tmp_path_factory):
-    """Every bad-input run, two at a time (they are mostly Python start-up). Each gets the tiny
-    arguments first (a later flag wins), so a missing check ends in a short run, not a long one."""
+    """Every bad-input run: a script's cases in one interpreter (tests/main_blocks.py: a start-up
+    each would cost the suite minutes), OWN_PROCESS's also as their own processes. Each gets the
+    tiny arguments first (a later flag wins), so a missing check ends in a short run, not a long one."""
     files = tmp_path_factory.mktemp("fake-checkpoints")
     runs_dir = tmp_path_factory.mktemp("bad-input-runs")
     (files / "corrupt.pt").write_bytes(b"PK\x03\x04 not really a zip file")
@@ -517,16 +531,31 @@ def bad_input_results(tmp_path_factory):
         torch.save(valid_checkpoint(script, optimizer=optimizer), files / f"bad-optimizer-{script}")
         torch.save(valid_checkpoint(script, rng={"python": "not a state"}), files / f"bad-rng-{script}")
 
-    def run(case):
+    def args_of(case):
         script, name, args, _ = case
+        return [*map(str, CONFIGS[script].args), "--runs-dir", str(runs_dir), *(a.format(files=files) for a in args)]
+
+    def in_one_process(script):  # every case of the script, its main block run in one interpreter
+        cases = [case for case in BAD_INPUTS if case[0] == script]
+        given, got = files / f"{Path(script).stem}-cases.json", files / f"{Path(script).stem}-results.json"
+        given.write_text(json.dumps([args_of(case) for case in cases]))
+        command = [sys.executable, ROOT / "tests" / "main_blocks.py", script, given, got]
+        env = script_env(**ONE_THREAD)
+        child = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+        done = json.loads(got.read_text())
+        return {(script, case[1]): (SimpleNamespace(**run), run["seconds"]) for case, run in zip(cases, done)}
+
+    def in_its_own_process(case):
         start = time.monotonic()
-        args = [*CONFIGS[script].args, "--runs-dir", runs_dir, *(a.format(files=files) for a in args)]
-        result = run_script(script, *args, timeout=300, check=False)
-        return (script, name), (result, time.monotonic() - start)
+        result = run_script(case[0], *args_of(case), timeout=300, check=False, env=ONE_THREAD)
+        return (case[0], case[1]), (result, time.monotonic() - start)
 
     with ThreadPoolExecutor(2) as pool:
-        results = dict(pool.map(run, BAD_INPUTS))
-    return SimpleNamespace(results=results, files=files, runs_dir=runs_dir)
+        batches = list(pool.map(in_one_process, SCRIPTS))
+        own = dict(pool.map(in_its_own_process, [case for case in BAD_INPUTS if case[1] in OWN_PROCESS]))
+    results = {key: value for batch in batches for key, value in batch.items()}
+    return SimpleNamespace(results=results, own=own, files=files, runs_dir=runs_dir)
 
 
 @pytest.mark.parametrize("script, case, args, text", BAD_INPUTS, ids=[f"{s}-{c}" for s, c, *_ in BAD_INPUTS])
@@ -539,6 +568,13 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_starts(bad_input_resul
     assert text in lines[0], lines[0]
     assert "run directory" not in result.stdout  # nothing was started
     assert seconds < 15, f"took {seconds:.1f}s: the check must come before the envs start"
+
+
+@pytest.mark.parametrize("script, case", [(s, c) for s, c, *_ in BAD_INPUTS if c in OWN_PROCESS])
+def test_a_case_run_as_its_own_process_gives_what_the_shared_process_gave(bad_input_results, script, case):
+    own, _ = bad_input_results.own[script, case]
+    shared, _ = bad_input_results.results[script, case]
+    assert (own.returncode, own.stderr, own.stdout) == (shared.returncode, shared.stderr, shared.stdout)
 
 
 def test_no_bad_input_made_a_run_directory_or_ran_a_payload(bad_input_results):
