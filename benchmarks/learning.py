@@ -13,12 +13,14 @@ then say less), --run-timeout kills a run that takes longer.
 
 Writes OUT.csv (label, game, seed, step, wall_time_s, return: every full game) and OUT.png
 (return against agent steps and wall time, mean of the last 20 games, per game), and prints per
-game: each run's end-of-run means, the mean return of the games ended in each fifth of the run,
-and per variant the last fifth's mean over seeds with its 95% interval (Student's t) and its
-difference from the reference (--reference, default the first variant), paired by seed; an
-interval that contains 0 shows no difference. Across games: human-normalized scores, their
-interquartile mean (IQM) with a 95% stratified bootstrap interval, and the probability that the
-variant beats the reference on a game (Agarwal et al., NeurIPS 2021, computed by rliable).
+game: each run's end-of-run means, the mean return of the games ended in each fifth of the run
+(and, for the runs whose directory is at hand, what their logged losses averaged over each fifth:
+entropy, approximate KL, clip fraction, value loss, explained variance), and per variant the
+last fifth's mean over seeds with its 95% interval (Student's t) and its difference from the
+reference (--reference, default the first variant), paired by seed; an interval that contains 0
+shows no difference. Across games: human-normalized scores, their interquartile mean (IQM) with a
+95% stratified bootstrap interval, and the probability that the variant beats the reference on a
+game (Agarwal et al., NeurIPS 2021, computed by rliable).
 TensorBoard: RUNS_DIR/tensorboard shows the runs as LABEL/GAME/seedN, with each run's flags in
 its HPARAMS tab; the command that opens it is printed. Published points (PUBLISHED: SLM Lab's
 and CleanRL's, on Breakout, Pong and Qbert) are drawn beside runs of the same algorithm on the
@@ -184,6 +186,16 @@ PUBLISHED = {
 COLUMNS = ["label", "game", "seed", "step", "wall_time_s", "return"]  # of OUT.csv
 PROGRESS = re.compile(r"step ([\d,]+)/")  # the scripts' progress line
 RUNNING, STOPPING = set(), threading.Event()  # the runs' processes, ended with this tool
+RETURN = "charts/episodic_return"
+# what a curve's shape is read against (a plateau, a collapse, a step size annealed to nothing):
+# each script logs the ones its algorithm has
+DIAGNOSTICS = (
+    "losses/entropy",
+    "losses/approx_kl",
+    "losses/clipfrac",
+    "losses/value_loss",
+    "losses/explained_variance",
+)
 HPARAMS = ".hparams"  # the suffix of the event file this tool adds to a run (its flags)
 REQUIREMENTS = "benchmarks/requirements.txt"
 
@@ -268,34 +280,40 @@ def check_variant(variant: Variant, index: int, env_id: str, total_timesteps: in
     }
 
 
-def returns_of(run_dir):
-    """(step, seconds of running since the run's first event, return) for every full game, in
-    order. A resumed run (--resume) starts its event file with TensorBoard's purge marker (a
-    SessionLog START at the checkpoint's step + 1): games the interrupted run logged from
-    there on are dropped, as TensorBoard drops them, and the time the run was down is not
-    counted."""
+def scalars_of(run_dir, tags):
+    """tag -> [(step, seconds of running since the run's first event, value)] for each of `tags`
+    the run logged, in order. A resumed run (--resume) starts its event file with TensorBoard's
+    purge marker (a SessionLog START at the checkpoint's step + 1): points the interrupted run
+    logged from there on are dropped, as TensorBoard drops them, and the time the run was down
+    is not counted."""
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard.compat.proto.event_pb2 import SessionLog
     from tensorboard.util import tensor_util
 
-    rows, start, offset, last_wall = [], None, 0.0, None
+    series, start, offset, last_wall = {tag: [] for tag in tags}, None, 0.0, None
     for path in sorted(Path(run_dir).glob("events.out.tfevents.*")):
         if path.name.endswith(HPARAMS):
             continue
         for event in EventFileLoader(str(path)).Load():
             start = event.wall_time if start is None else start
             if event.HasField("session_log") and event.session_log.status == SessionLog.START:
-                rows = [row for row in rows if row[0] < event.step]
-                if last_wall is not None:  # continue the clock from the last kept game
-                    offset = (rows[-1][1] if rows else 0.0) - (event.wall_time - start)
+                series = {tag: [row for row in rows if row[0] < event.step] for tag, rows in series.items()}
+                if last_wall is not None:  # continue the clock from the last kept point
+                    kept = max((rows[-1][1] for rows in series.values() if rows), default=0.0)
+                    offset = kept - (event.wall_time - start)
             last_wall = event.wall_time
             for value in event.summary.value:
-                if value.tag == "charts/episodic_return":
+                if value.tag in series:
                     number = value.simple_value if value.HasField("simple_value") else None
                     if number is None:
                         number = float(tensor_util.make_ndarray(value.tensor))
-                    rows.append((event.step, event.wall_time - start + offset, number))
-    return rows
+                    series[value.tag].append((event.step, event.wall_time - start + offset, number))
+    return {tag: rows for tag, rows in series.items() if rows}
+
+
+def returns_of(run_dir):
+    """(step, seconds of running, return) for every full game, in order (scalars_of)."""
+    return scalars_of(run_dir, [RETURN]).get(RETURN, [])
 
 
 def running_mean(values, window=WINDOW):
@@ -406,7 +424,7 @@ def link_run(view, variant, game, seed, run_dir):
     flags = {"label": variant.label, "script": str(variant.script), "flags": shlex.join(variant.flags)}
     flags |= variant.hparams | {"env_id": game, "seed": seed}
     writer = SummaryWriter(str(run_dir), filename_suffix=HPARAMS)
-    for summary in hparams(flags, {"charts/episodic_return": 0.0}):
+    for summary in hparams(flags, {RETURN: 0.0}):
         writer.file_writer.add_summary(summary)
     writer.close()
 
@@ -529,9 +547,18 @@ def at_cell(values, seeds=1):
     return f"{np.mean(values):.2f} ({min(values):.2f}-{max(values):.2f}{short})"
 
 
-def game_summary(runs, reference, marks):
-    """One game's tables from its runs, (label, seed) -> games; and (label -> seed -> the mean
-    return of the games ended in the last fifth of the run)."""
+def fifths(last_step):
+    """The edges of a run's five fifths, in agent steps, and their names."""
+    big = last_step >= 5000
+    edges = np.linspace(0, last_step, 6).round(-3 if big else 0).astype(int)
+    spans = [f"{lo // 1000}k-{hi // 1000}k" if big else f"{lo}-{hi}" for lo, hi in zip(edges[:-1], edges[1:])]
+    return edges, spans
+
+
+def game_summary(runs, reference, marks, logs=None):
+    """One game's tables from its runs, (label, seed) -> games, and from the logged losses of
+    those whose directory is at hand, (label, seed) -> scalars_of; and (label -> seed -> the
+    mean return of the games ended in the last fifth of the run)."""
     finals = {key: mean_of([r for _, _, r in run[-WINDOW:]]) for key, run in runs.items()}
     ref = [v for (label, _), v in finals.items() if label == reference]
     target = mean_of(ref) if ref else None
@@ -555,10 +582,7 @@ def game_summary(runs, reference, marks):
         lines.append(f"\n{reference}'s final return (the reference: mean over its seeds of the last {WINDOW} games): "
                      f"{target:.2f}")  # fmt: skip
     # the whole curve, not only its end: mean return of the games ended in each fifth of the run
-    last_step = max(run[-1][0] for run in runs.values())
-    big = last_step >= 5000
-    edges = np.linspace(0, last_step, 6).round(-3 if big else 0).astype(int)
-    spans = [f"{lo // 1000}k-{hi // 1000}k" if big else f"{lo}-{hi}" for lo, hi in zip(edges[:-1], edges[1:])]
+    edges, spans = fifths(max(run[-1][0] for run in runs.values()))
     lines += ["", "| variant | seed | " + " | ".join(spans) + " |", "|---|---|" + "---|" * len(spans)]
     last_fifth = {}
     for (label, seed), run in sorted(runs.items()):
@@ -567,6 +591,20 @@ def game_summary(runs, reference, marks):
         lines.append(f"| {label} | {seed} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
         if not np.isnan(means[-1]):
             last_fifth.setdefault(label, {})[seed] = means[-1]
+    # what the losses did meanwhile, fifth by fifth: a policy that sharpens, a step size that
+    # anneals to nothing, a value function that stops improving
+    logged = {key: logs[key] for key in sorted(runs) if logs and logs.get(key)}
+    if logged:
+        lines += ["", "| variant | seed | logged: mean over the fifth | " + " | ".join(spans) + " |"]
+        lines.append("|---|---|---|" + "---|" * len(spans))
+        for (label, seed), series in logged.items():
+            for tag, points in series.items():
+                steps, _, values = np.array(points).T
+                finite = np.isfinite(values)  # explained variance is NaN where the returns did not vary
+                means = [
+                    mean_of(values[finite & (steps > lo) & (steps <= hi)]) for lo, hi in zip(edges[:-1], edges[1:])
+                ]
+                lines.append(f"| {label} | {seed} | {tag} | " + " | ".join(f"{m:.4g}" for m in means) + " |")
     # per variant, over its seeds; the last fifth averages a few hundred games per run, so it is
     # far less noisy than the last 20 games
     lines += ["", f"| variant | seeds | return, last {WINDOW} games: mean (range) | last fifth: mean (range) |"]
@@ -655,13 +693,17 @@ def across_games(last_fifth, games, reference):
     return lines
 
 
-def summary(rows, reference, marks=()):
-    runs = group(rows)
+def summary(rows, reference, marks=(), logs=None):
+    """The printed tables, from OUT.csv's rows and the runs' logged losses, (label, game, seed) -> scalars_of."""
+    runs, logs = group(rows), logs or {}
     games = sorted({game for _, game, _ in runs})
     lines, last_fifth = [], {}
     for game in games:
         tables, last_fifth[game] = game_summary(
-            {(label, seed): run for (label, g, seed), run in runs.items() if g == game}, reference, marks
+            {(label, seed): run for (label, g, seed), run in runs.items() if g == game},
+            reference,
+            marks,
+            {(label, seed): series for (label, g, seed), series in logs.items() if g == game},
         )
         lines += [f"## {game}", "", *tables, ""]
     if len(games) > 1:
@@ -826,7 +868,12 @@ def main(argv=None):
         f"{time.strftime('%Y-%m-%d')}{' (drawn from OUT.csv; the runs may be older)' if args.plot_only else ''}; "
         f"the reference: {reference}\n"
     )
-    print(summary(rows, reference, args.at))
+    # the losses of the runs at hand: those in RUNS_DIR, and --from-run's
+    at_hand = {key: find_run(runs_dir, key[1], key[0], key[2]) for key in group(rows)} if runs_dir.is_dir() else {}
+    if args.from_run:
+        at_hand[(args.from_run[0], env_ids[0], int(args.from_run[1]))] = Path(args.from_run[2])
+    logs = {key: scalars_of(run_dir, DIAGNOSTICS) for key, run_dir in at_hand.items() if run_dir is not None}
+    print(summary(rows, reference, args.at, logs))
     try:
         plot(rows, out_png)
         print(f"\nplot: {out_png}")

@@ -93,6 +93,11 @@ def test_copies_against_originals_on_two_games(tmp_path):
             assert (d1, d2, mean) == pytest.approx((e1, e2, (e1 + e2) / 2), abs=0.006)
             half = 12.7062 * abs(e1 - e2) / 2  # Student's t, 1 degree of freedom: t * sd / sqrt(2)
             assert (low, high) == pytest.approx(((e1 + e2) / 2 - half, (e1 + e2) / 2 + half), abs=0.006)
+        # each run's logged losses, fifth by fifth: the ones its algorithm has
+        for label, seed in [(label, seed) for label in labels for seed in (1, 2)]:
+            for tag in ["losses/entropy", "losses/value_loss", "losses/clipfrac", "losses/approx_kl"]:
+                expected = label == "ppo" or tag not in ("losses/clipfrac", "losses/approx_kl")
+                assert (f"| {label} | {seed} | {tag} | " in section) == expected, (label, tag, section)
     # across games: the IQM of human-normalized scores inside its interval, and P(improvement) for the others
     across = out[out.index("Across Breakout-v5, Pong-v5") :]
     for label in labels:
@@ -198,6 +203,36 @@ def test_a_step_a_run_has_not_reached_has_no_figure():
     assert "| x | 1 | 5.50 | 10.50 |" in out  # the last 100 games by then: here every game so far
     assert "| x | 2 | 1.00 | not reached |" in out
     assert "| x | mean (range) of 2 | 3.25 (1.00-5.50) | 10.50 (10.50-10.50, 1 of 2 seeds) |" in out
+
+
+def test_logged_losses_per_fifth_as_tensorboard_keeps_them(tmp_path):
+    """A run's losses averaged over each fifth, beside its returns; a resumed run's points after
+    its checkpoint dropped, as TensorBoard drops them (the writer's purge_step); a tag the run did
+    not log (A2C has no clip fraction) gets no row."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    crashed = SummaryWriter(str(tmp_path))
+    for step in range(100, 1001, 100):
+        crashed.add_scalar("losses/entropy", 1.0, step)
+        crashed.add_scalar(learning.RETURN, 5.0, step)
+    crashed.close()
+    resumed = SummaryWriter(str(tmp_path), purge_step=601)  # the checkpoint held step 600
+    for step in range(700, 1001, 100):
+        resumed.add_scalar("losses/entropy", 2.0, step)
+        resumed.add_scalar(learning.RETURN, float(step), step)
+    resumed.close()
+    series = learning.scalars_of(tmp_path, learning.DIAGNOSTICS)
+    assert list(series) == ["losses/entropy"]
+    kept = [(step, 1.0) for step in range(100, 601, 100)] + [(step, 2.0) for step in range(700, 1001, 100)]
+    assert [(step, value) for step, _, value in series["losses/entropy"]] == kept
+    assert [r for _, _, r in learning.returns_of(tmp_path)] == [5.0] * 6 + [700.0, 800.0, 900.0, 1000.0]
+    rows = [("a2c", "Pong-v5", 1, step, wall, ret) for step, wall, ret in learning.returns_of(tmp_path)]
+    out = learning.summary(rows, "a2c", logs={("a2c", "Pong-v5", 1): series})
+    # fifths of 1000 steps: (0, 200], (200, 400], (400, 600], (600, 800], (800, 1000]
+    assert "| a2c | 1 | losses/entropy | 1 | 1 | 1 | 2 | 2 |" in out
+    assert "| a2c | 1 | 5.00 | 5.00 | 5.00 | 750.00 | 950.00 |" in out
+    assert "losses/clipfrac" not in out
+    assert "logged:" not in learning.summary(rows, "a2c")  # no run directory at hand: no table
 
 
 def test_published_points_follow_the_algorithm_and_the_game(monkeypatch):
