@@ -547,14 +547,6 @@ def at_cell(values, seeds=1):
     return f"{np.mean(values):.2f} ({min(values):.2f}-{max(values):.2f}{short})"
 
 
-def fifths(last_step):
-    """The edges of a run's five fifths, in agent steps, and their names."""
-    big = last_step >= 5000
-    edges = np.linspace(0, last_step, 6).round(-3 if big else 0).astype(int)
-    spans = [f"{lo // 1000}k-{hi // 1000}k" if big else f"{lo}-{hi}" for lo, hi in zip(edges[:-1], edges[1:])]
-    return edges, spans
-
-
 def game_summary(runs, reference, marks, logs=None):
     """One game's tables from its runs, (label, seed) -> games, and from the logged losses of
     those whose directory is at hand, (label, seed) -> scalars_of; and (label -> seed -> the
@@ -582,7 +574,10 @@ def game_summary(runs, reference, marks, logs=None):
         lines.append(f"\n{reference}'s final return (the reference: mean over its seeds of the last {WINDOW} games): "
                      f"{target:.2f}")  # fmt: skip
     # the whole curve, not only its end: mean return of the games ended in each fifth of the run
-    edges, spans = fifths(max(run[-1][0] for run in runs.values()))
+    last_step = max(run[-1][0] for run in runs.values())
+    big = last_step >= 5000
+    edges = np.linspace(0, last_step, 6).round(-3 if big else 0).astype(int)
+    spans = [f"{lo // 1000}k-{hi // 1000}k" if big else f"{lo}-{hi}" for lo, hi in zip(edges[:-1], edges[1:])]
     lines += ["", "| variant | seed | " + " | ".join(spans) + " |", "|---|---|" + "---|" * len(spans)]
     last_fifth = {}
     for (label, seed), run in sorted(runs.items()):
