@@ -547,7 +547,7 @@ def at_cell(values, seeds=1):
     return f"{np.mean(values):.2f} ({min(values):.2f}-{max(values):.2f}{short})"
 
 
-def game_summary(runs, reference, marks, logs=None):
+def game_summary(runs, reference, marks, logs):
     """One game's tables from its runs, (label, seed) -> games, and from the logged losses of
     those whose directory is at hand, (label, seed) -> scalars_of; and (label -> seed -> the
     mean return of the games ended in the last fifth of the run)."""
@@ -588,7 +588,7 @@ def game_summary(runs, reference, marks, logs=None):
             last_fifth.setdefault(label, {})[seed] = means[-1]
     # what the losses did meanwhile, fifth by fifth: a policy that sharpens, a step size that
     # anneals to nothing, a value function that stops improving
-    logged = {key: logs[key] for key in sorted(runs) if logs and logs.get(key)}
+    logged = {key: logs[key] for key in sorted(runs) if logs.get(key)}
     if logged:
         lines += ["", "| variant | seed | logged: mean over the fifth | " + " | ".join(spans) + " |"]
         lines.append("|---|---|---|" + "---|" * len(spans))
@@ -864,7 +864,8 @@ def main(argv=None):
         f"the reference: {reference}\n"
     )
     # the losses of the runs at hand: those in RUNS_DIR, and --from-run's
-    at_hand = {key: find_run(runs_dir, key[1], key[0], key[2]) for key in group(rows)} if runs_dir.is_dir() else {}
+    keys = {row[:3] for row in rows} if runs_dir.is_dir() else set()
+    at_hand = {(label, game, seed): find_run(runs_dir, game, label, seed) for label, game, seed in keys}
     if args.from_run:
         at_hand[(args.from_run[0], env_ids[0], int(args.from_run[1]))] = Path(args.from_run[2])
     logs = {key: scalars_of(run_dir, DIAGNOSTICS) for key, run_dir in at_hand.items() if run_dir is not None}
