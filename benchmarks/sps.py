@@ -32,17 +32,18 @@ from gpu_sweep import PROGRESS  # noqa: E402
 
 SHARE = re.compile(r"of which the update \(training\) ([\d.]+)%")
 
-# name -> (script, extra args, default budget in agent steps); PPO's batch is 16 x 128 = 2048
+# name -> (script, extra args, default budget in agent steps); PPO's batch is 16 x 128 = 2048 and
+# its progress line comes every iteration, A2C's batch 16 x 32 = 512 and its line every --log-interval
 VARIANTS = {
     "baseline": ("ppo_atari_baseline.py", [], 3 * 2048),
     "native-fp32": ("ppo_atari_native.py", ["--precision", "fp32"], 3 * 2048),
     "native-bf16": ("ppo_atari_native.py", ["--precision", "bf16"], 2 * 2048),
     # the rollout's general policy step (Agent.forward), as an edited network runs it
     "native-fp32-module": ("ppo_atari_native.py", ["--precision", "fp32", "--policy", "module"], 3 * 2048),
-    "a2c": ("a2c_atari.py", ["--log-interval", "25"], 25 * 80 * 4),
+    "a2c": ("a2c_atari.py", ["--log-interval", "4"], 40 * 512),
     # the update compiled (docs/update.md); its compile lies in the first iteration
     "native-fp32-compile": ("ppo_atari_native.py", ["--precision", "fp32", "--compile"], 3 * 2048),
-    "a2c-compile": ("a2c_atari.py", ["--log-interval", "25", "--compile"], 25 * 80 * 4),
+    "a2c-compile": ("a2c_atari.py", ["--log-interval", "4", "--compile"], 40 * 512),
     # a copy of the native script without the run-long guard (written at start, see without_guard)
     "native-fp32-noguard": ("ppo_atari_native_noguard.py", ["--precision", "fp32"], 3 * 2048),
 }

@@ -1,5 +1,6 @@
 """benchmarks/learning.py compares a researcher's copies with the originals: paired by seed on
-each game, aggregated across games, laid out for TensorBoard; bad input stops before any run."""
+each game, aggregated across games, laid out for TensorBoard; bad input stops before any run.
+benchmarks/sps.py, which compares their speed, has a span to time in each variant's run."""
 
 import csv
 import os
@@ -15,6 +16,7 @@ from conftest import ROOT, script_env
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import learning  # noqa: E402
+import sps  # noqa: E402
 
 GAMES = ["Breakout-v5", "Pong-v5"]
 # the smallest runs that still end games in every fifth of the run: 2 envs of 160 steps, games cut at 200 frames
@@ -284,3 +286,17 @@ def test_published_points_follow_the_algorithm_and_the_game(monkeypatch):
     # runs short of the publishers' step: their IQM would compare another point of the curve
     short = [row for row in rows if row[3] <= 2_000_000]
     assert "| SLM Lab PPO | 10M |" not in learning.summary(short, "ppo_atari_native")
+
+
+@pytest.mark.parametrize("name, small", [("native-fp32", PPO), ("a2c", f"{A2C} --precision fp32")])
+def test_sps_variants_print_two_progress_lines_to_time_between(tmp_path, monkeypatch, name, small):
+    """sps.py times a run from its first progress line to its last: a variant's budget, counted in
+    its script's iterations at the default batch, must give two. Run with as many small iterations."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the scripts run as users run them
+    script, extra, budget = sps.VARIANTS[name]
+    text = (ROOT / script).read_text()  # its Args' defaults: an import here would find benchmarks/kernels.py
+    defaults = {field: int(value) for field, value in re.findall(r"\n    (num_envs|num_steps): int = (\d+)", text)}
+    iterations = budget // (defaults["num_envs"] * defaults["num_steps"])
+    steps = iterations * 2 * 16  # the small runs' batch: 2 envs x 16 steps
+    rate, from_launch, _ = sps.run(script, [*extra, *small.split()], steps, str(tmp_path))
+    assert rate > 0 and from_launch > 0
