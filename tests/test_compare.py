@@ -297,6 +297,6 @@ def test_sps_variants_print_two_progress_lines_to_time_between(tmp_path, monkeyp
     text = (ROOT / script).read_text()  # its Args' defaults: an import here would find benchmarks/kernels.py
     defaults = {field: int(value) for field, value in re.findall(r"\n    (num_envs|num_steps): int = (\d+)", text)}
     iterations = budget // (defaults["num_envs"] * defaults["num_steps"])
-    steps = iterations * 2 * 16  # the small runs' batch: 2 envs x 16 steps
+    steps = iterations * int(re.search(r"--num-envs (\d+)", small)[1]) * int(re.search(r"--num-steps (\d+)", small)[1])
     rate, from_launch, _ = sps.run(script, [*extra, *small.split()], steps, str(tmp_path))
     assert rate > 0 and from_launch > 0
