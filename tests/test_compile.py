@@ -183,6 +183,11 @@ def test_the_compiled_a2c_update_sees_its_optimizer_state_at_static_addresses(na
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 12),
+    reason="torch 2.11's CPU Inductor (the GPU image's torch) ignores emulate_precision_casts (docs/update.md)",
+    strict=True,
+)
 def test_a_compiled_bf16_step_rounds_where_autocast_does():
     """Inductor fuses a bf16 layer with its GELU and skips the roundings between them that
     autocast makes eagerly, and that the rollout's step makes: the learner's log-probs would move
