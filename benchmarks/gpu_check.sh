@@ -2,15 +2,16 @@
 # One command for a GPU machine: the speed targets side by side (benchmarks/gpu_targets.py), where
 # the time goes (benchmarks/rollout_cost.py), the GPU test tier (pytest -m cuda), the fused
 # kernels against eager (benchmarks/kernels.py) and a short sweep (benchmarks/gpu_sweep.py
-# --quick), written to one markdown report within a
-# 10-minute budget, the tier's whole log beside it (REPORT_tier.log). The report is written
-# however the run ends (the preflight stops, a part fails or runs out of time, Ctrl-C), starting
-# with the machine's own versions and saying for each part whether it ran, stopped at its limit
-# or did not run and why (benchmarks/gpu_report.py). A GPU image's own torch and triton are
-# kept: only missing requirements are installed, from a folder of wheels (--wheels DIR, no
-# network needed) into a venv that sees the image's packages. A preflight stops with one line
-# naming what is missing before anything runs. How to prepare the folder: docs/gpu.md.
-# Run: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight] [--help]
+# --quick), written to one markdown report within a 10-minute budget (--budget: less), the
+# tier's whole log beside it (REPORT_tier.log) and every part's output, appended as it runs, in
+# REPORT_parts.log (what a hard kill leaves). The report is written however the run ends (the
+# preflight stops, a part fails or runs out of time, Ctrl-C), starting with the machine's own
+# versions and saying for each part whether it ran, stopped at its limit or did not run and why
+# (benchmarks/gpu_report.py). A GPU image's own torch and triton are kept: only missing
+# requirements are installed, from a folder of wheels (--wheels DIR, no network needed) into a
+# venv that sees the image's packages. A preflight stops with one line naming what is missing
+# before anything runs. How to prepare the folder: docs/gpu.md.
+# Run: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--budget SECONDS] [--preflight] [--help]
 # (--preflight runs only the preflight and writes no report; bad arguments exit 2, no report.)
 #
 # Timeline on a 16-core H100, estimated from the parts' sizes (limits in brackets):
@@ -34,34 +35,38 @@
 #   kernels            20-35 s [45]
 #   sweep              40-55 s [60]: cells started within 30 s
 #   report              5-10 s [40]
-# in all about 7-9 minutes; a part that would not fit in what is left of the 10 minutes is
-# shortened or reported as not run, and the worst case (a part cut at the end of its share, its
-# 20 s kill grace, the report's 40 s) ends at 600 - RESERVE + 60 = 585 s.
+# in all about 7-9 minutes; a part that would not fit in what is left of the budget (600 s, or
+# --budget) is shortened or reported as not run, and the worst case (a part cut at the end of its
+# share, its 20 s kill grace, the report's 40 s) ends at BUDGET - RESERVE + 60 = 585 s.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 report=benchmarks/results/gpu_check.md
 wheels=""
 preflight_only=0
+budget=600
 python=${PYTHON:-python3}
 venv=${GPU_CHECK_VENV:-.venv-gpu}
 export PYTHONUNBUFFERED=1
 RESERVE=75 # seconds kept back at the end: a part's 20 s kill grace, the report's 30 s (+10 s kill grace), 15 s spare
 
 usage() {
-    echo "gpu_check: $* (usage: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight] [--help])" >&2
+    echo "gpu_check: $* (usage: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--budget SECONDS] [--preflight] [--help])" >&2
     exit 2
 }
 help() {
     cat <<HELP
-usage: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--preflight]
+usage: bash benchmarks/gpu_check.sh [--wheels DIR] [--report FILE.md] [--budget SECONDS] [--preflight]
 The GPU check: the speed targets, the GPU test tier, the kernels and a short sweep, in one
-report ($report by default) with the tier's whole log beside it (REPORT_tier.log).
-  --wheels DIR   install the missing requirements from this folder of wheels (no network needed)
-  --report FILE  where the report goes
-  --preflight    only check what the machine has, write no report
+report ($report by default), the tier's whole log beside it (REPORT_tier.log)
+and every part's output as it runs (REPORT_parts.log: what is left if the command is killed).
+  --wheels DIR      install the missing requirements from this folder of wheels (no network needed)
+  --report FILE     where the report goes
+  --budget SECONDS  the seconds the call may take, 180 to 600 (default 600): the later parts get less
+  --preflight       only check what the machine has, write no report
 Worst case: $((600 - RESERVE + 60)) s from the start to the report written, under 10 minutes (give
-it a 600 s limit). How to prepare the wheel folder on a CPU machine first: docs/gpu.md.
+it a 600 s limit; with --budget B: B - 15 s, a limit of B). How to prepare the wheel folder on a CPU
+machine first: docs/gpu.md.
 HELP
     exit 0
 }
@@ -69,6 +74,12 @@ while [ $# -gt 0 ]; do
     case $1 in
     --wheels) [ $# -ge 2 ] || usage "--wheels needs a folder"; wheels=$2; shift 2 ;;
     --report) [ $# -ge 2 ] || usage "--report needs a file"; report=$2; shift 2 ;;
+    --budget)
+        [ $# -ge 2 ] && [[ $2 =~ ^[0-9]+$ ]] && [ "$2" -ge 180 ] && [ "$2" -le 600 ] ||
+            usage "--budget takes whole seconds from 180 to 600"
+        budget=$2
+        shift 2
+        ;;
     --preflight) preflight_only=1; shift ;;
     --help | -h) help ;;
     *) usage "unknown argument $1" ;;
@@ -102,7 +113,8 @@ finish() {  # on every exit after the arguments are read: the report, then the e
     trap - EXIT
     if [ "$preflight_only" -eq 0 ]; then
         if ! command -v "$python" >/dev/null ||
-            ! limited 30 "$python" benchmarks/gpu_report.py "$work" "$report" "$(($(date +%s) - start))" 2>"$work/report.log"; then
+            ! limited 30 "$python" benchmarks/gpu_report.py "$work" "$report" "$(($(date +%s) - start))" "$budget" \
+                2>"$work/report.log"; then
             plain_report
         fi
     fi
@@ -189,26 +201,33 @@ trap interrupted INT TERM
 
 # a cold Triton cache, compiled once by the warm-up, then shared by every part
 export TRITON_CACHE_DIR=$work/triton-cache
-left() { echo $((600 - RESERVE - ($(date +%s) - start))); }
+left() { echo $((budget - RESERVE - ($(date +%s) - start))); }
+# every part's whole output, appended as it runs: a kill that leaves no time for the report
+# (the GPU lease's own limit) still leaves what ran
+mkdir -p "$(dirname "$report")"
+name=${report##*/}
+parts_log=${report%"$name"}${name%.*}_parts.log  # REPORT.md's stem, as the tier log's
+echo "gpu_check: $(date '+%Y-%m-%d %H:%M:%S'), budget ${budget} s, $python" >"$parts_log"
+
 section() {  # name, seconds it may take, command...: runs it within what is left of the budget;
     # its output, limit, seconds, exit code and status (what the report says of it) go to $work
     local name=$1 limit=$2
     shift 2
-    local budget began code
-    budget=$(left)
-    if [ "$budget" -lt 20 ]; then
-        echo "not run: the 10-minute budget was spent" >"$work/$name.status"
+    local share began code
+    share=$(left)
+    if [ "$share" -lt 20 ]; then
+        echo "not run: the ${budget} s budget was spent" | tee -a "$parts_log" >"$work/$name.status"
         return 0
     fi
-    [ "$limit" -gt "$budget" ] && limit=$budget
+    [ "$limit" -gt "$share" ] && limit=$share
     echo "$limit" >"$work/$name.limit"
-    echo "== $name (at most ${limit}s)"
+    echo "== $name (at most ${limit}s)" | tee -a "$parts_log"
     echo running >"$work/$name.status"
     began=$(date +%s)
     # SIGINT, not SIGTERM, so that pytest still prints its summary; -k 20 kills what ignores it.
     # In the background and waited for, so that a Ctrl-C or SIGTERM reaches `interrupted` at once.
     running=$name
-    timeout -s INT -k 20 "$limit" "$@" > >(tee "$work/$name") 2>&1 &
+    timeout -s INT -k 20 "$limit" "$@" > >(tee -a "$work/$name" "$parts_log") 2>&1 &
     wait $!
     code=$?
     running=""
@@ -219,6 +238,7 @@ section() {  # name, seconds it may take, command...: runs it within what is lef
     else
         echo ran >"$work/$name.status"
     fi
+    echo "== $name: $(<"$work/$name.status"), $(<"$work/$name.seconds") s, exit code $code" >>"$parts_log"
     return 0
 }
 

@@ -4,7 +4,7 @@ its limit or did not run and why, then each part's output, its head and tail whe
 (so that neither the first failure nor the summary is lost; gpu_check.sh keeps the tier's whole
 log beside the report). Standard library only, and every import of the project's packages
 guarded, so that it writes a report whatever is missing.
-Run by gpu_check.sh: python benchmarks/gpu_report.py WORK_DIR REPORT.md SECONDS
+Run by gpu_check.sh: python benchmarks/gpu_report.py WORK_DIR REPORT.md SECONDS [BUDGET]
 """
 
 import importlib.metadata
@@ -140,6 +140,7 @@ def outcome(work, name, stopped):
 
 def main():
     work, report, seconds = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    budget = sys.argv[4] if len(sys.argv) > 4 else "600"
     stopped = read(work, "stopped")
     preflight = f"stopped: {stopped}" if stopped else f"passed ({read(work, 'preflight.seconds', '?')} s)"
     if stopped:
@@ -154,7 +155,7 @@ def main():
         "",
         *versions(),
         "",
-        f"## What ran (`bash benchmarks/gpu_check.sh` took {seconds} s of its 600)",
+        f"## What ran (`bash benchmarks/gpu_check.sh` took {seconds} s of its {budget})",
         "",
         "| part | limit | outcome |",
         "|---|---|---|",

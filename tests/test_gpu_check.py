@@ -3,6 +3,7 @@ preflight stops with one line naming what is missing (a requirement, a wheel, a 
 GPU) before any tier runs, and a benchmark never blocks on its child's output."""
 
 import ast
+import contextlib
 import math
 import os
 import re
@@ -146,7 +147,7 @@ def test_the_report_needs_no_nvidia_smi_and_says_what_each_part_did(tmp_path, sm
         "tier": {".status": "stopped at its 240s limit", ".seconds": "240", ".code": "124", ".limit": "240",
                  "": "FAILED tests/test_gpu.py::test_x - boom\n= 1 failed, 9 passed in 239.00s ="},
         "targets": {".status": "running", ".limit": "150"},
-        "kernels": {".status": "not run: the 10-minute budget was spent"},
+        "kernels": {".status": "not run: the 600 s budget was spent"},
     })  # fmt: skip
     env = dict(os.environ, PATH=f"{bin_dir}:{os.path.dirname(shutil.which('env'))}")
     report = tmp_path / "out" / "gpu_check.md"
@@ -167,7 +168,7 @@ def test_the_report_needs_no_nvidia_smi_and_says_what_each_part_did(tmp_path, sm
     )
     assert "- FAILED tests/test_gpu.py::test_x - boom" in text
     assert "| Speed targets | 150 s | started, did not finish: the script was interrupted |" in text
-    assert "| Kernels | - | not run: the 10-minute budget was spent |" in text
+    assert "| Kernels | - | not run: the 600 s budget was spent |" in text
     assert "| Sweep, quick grid | - | not run: the script ended before it |" in text
 
 
@@ -224,6 +225,48 @@ def test_the_tier_runs_on_xdist_workers_unless_the_compute_mode_is_exclusive(tmp
     assert "| Speed targets | 210 s | ran, " in report and "| GPU test tier | 300 s | ran, " in report, report
     assert "| Where the time goes | 120 s | ran, " in report, report
     assert ("the tier ran serially" in report) == (mode != "Default"), report
+
+
+def test_a_shorter_budget_shortens_the_later_parts_and_the_report_says_of_what(tmp_path):
+    """--budget 200 (a lease with less than 10 minutes left): the parts share 200 - 75 s, so the
+    targets get what is left after the warm-up instead of their 210 s, the parts that no longer
+    fit are reported as not run, and the report gives the time taken of 200."""
+    python, path, _ = simulated_gpu_machine(tmp_path)
+    result, lines = gpu_check("--budget", "200", python=python, path=path)
+    assert result.returncode == 0, lines
+    report = result.report.read_text()
+    limits = dict(re.findall(r"\| ([A-Za-z -]+) \| (\d+) s \| ran, ", report))
+    assert limits["Triton warm-up"] == "90" and 100 <= int(limits["Speed targets"]) <= 125, report
+    assert int(limits["GPU test tier"]) <= 125, report  # at most what is left of 200 - 75, not 300
+    assert re.search(r"took \d+ s of its 200\)", report), report
+
+
+def test_a_hard_kill_leaves_every_part_s_output_so_far_in_the_parts_log(tmp_path):
+    """The lease's own limit may kill the whole command with no time for the report: the parts
+    log beside it holds each finished part's output and outcome, and the running part's so far."""
+    python, path, _ = simulated_gpu_machine(tmp_path, warm_up="echo warmed", tier="echo tier began; sleep 60")
+    env = {name: value for name, value in os.environ.items() if name != "CC"}
+    report = tmp_path / "out" / "gpu_check.md"
+    log = report.with_name("gpu_check_parts.log")
+    proc = subprocess.Popen(
+        ["bash", str(CHECK), "--report", str(report)], env=dict(env, PYTHON=str(python), PATH=path),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        for _ in range(600):
+            if log.exists() and "tier began" in log.read_text():
+                break
+            time.sleep(0.05)
+    finally:  # the whole session: each part's timeout leads a process group of its own
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                if int(stat.read_text().rsplit(")", 1)[1].split()[3]) == proc.pid:
+                    os.kill(int(stat.parent.name), signal.SIGKILL)
+        proc.wait(timeout=30)
+    text = log.read_text()
+    assert not report.exists() and "tier began" in text, text
+    assert text.index("== warm (at most 90s)") < text.index("warmed") < text.index("== warm: ran, "), text
+    assert "== targets: ran, " in text and "== tier (at most " in text and "== tier: " not in text, text
 
 
 def test_help_says_the_worst_case_and_where_the_wheels_are_prepared():
@@ -309,7 +352,12 @@ def test_a_python_without_ensurepip_gets_a_venv_that_runs_the_images_pip(tmp_pat
 
 
 def test_bad_arguments_exit_2_with_one_line(tmp_path):
-    for args, text in [(["--bogus"], "unknown argument --bogus"), (["--wheels", tmp_path / "no"], "no such folder")]:
+    for args, text in [
+        (["--bogus"], "unknown argument --bogus"),
+        (["--wheels", tmp_path / "no"], "no such folder"),
+        (["--budget", "100"], "--budget takes whole seconds from 180 to 600"),
+        (["--budget", "9m"], "--budget takes whole seconds from 180 to 600"),
+    ]:
         result, lines = gpu_check(*args)
         assert result.returncode == 2 and len(lines) == 1 and text in lines[0], lines
 
