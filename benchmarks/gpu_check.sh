@@ -37,7 +37,7 @@
 #   report              5-10 s [40]
 # in all about 7-9 minutes; a part that would not fit in what is left of the budget (600 s, or
 # --budget) is shortened or reported as not run, and the worst case (a part cut at the end of its
-# share, its 20 s kill grace, the report's 40 s) ends at BUDGET - RESERVE + 60 = 585 s.
+# share, its 20 s kill grace, the report's 40 s) ends at BUDGET - RESERVE + 60 (585 s of 600).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -216,7 +216,8 @@ section() {  # name, seconds it may take, command...: runs it within what is lef
     local share began code
     share=$(left)
     if [ "$share" -lt 20 ]; then
-        echo "not run: the ${budget} s budget was spent" | tee -a "$parts_log" >"$work/$name.status"
+        echo "not run: the ${budget} s budget was spent" >"$work/$name.status"
+        echo "== $name: $(<"$work/$name.status")" >>"$parts_log"
         return 0
     fi
     [ "$limit" -gt "$share" ] && limit=$share

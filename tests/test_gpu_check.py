@@ -238,6 +238,8 @@ def test_a_shorter_budget_shortens_the_later_parts_and_the_report_says_of_what(t
     limits = dict(re.findall(r"\| ([A-Za-z -]+) \| (\d+) s \| ran, ", report))
     assert limits["Triton warm-up"] == "90" and 100 <= int(limits["Speed targets"]) <= 125, report
     assert int(limits["GPU test tier"]) <= 125, report  # at most what is left of 200 - 75, not 300
+    parts = result.report.with_name("gpu_check_parts.log").read_text()
+    assert "== sweep: " in parts and "budget 200 s" in parts.splitlines()[0], parts
     assert re.search(r"took \d+ s of its 200\)", report), report
 
 
