@@ -23,10 +23,15 @@ from conftest import ROOT, tier_cores, worker_cores
 CHECK = ROOT / "benchmarks" / "gpu_check.sh"
 
 
+def check_env(python, path, **env_vars):
+    """gpu_check.sh's environment: this one without CC (Triton's compiler choice), with PYTHON and PATH."""
+    env = {name: value for name, value in os.environ.items() if name != "CC"}
+    return env | dict(PYTHON=str(python), PATH=path or os.environ["PATH"], **env_vars)
+
+
 def gpu_check(*args, python=sys.executable, path=None, venv_dir=None, **env_vars):
     """Run gpu_check.sh; its report goes to a temporary file (result.report), not the repository's."""
-    env = {name: value for name, value in os.environ.items() if name != "CC"}  # Triton's compiler choice
-    env.update(PYTHON=str(python), PATH=path or os.environ["PATH"], **env_vars)
+    env = check_env(python, path, **env_vars)
     if venv_dir is not None:
         env["GPU_CHECK_VENV"] = str(venv_dir)
     report = Path(tempfile.mkdtemp()) / "gpu_check.md"
@@ -35,6 +40,20 @@ def gpu_check(*args, python=sys.executable, path=None, venv_dir=None, **env_vars
     result = subprocess.run(["bash", str(CHECK), *args], env=env, capture_output=True, text=True, timeout=300)
     result.report = report
     return result, result.stderr.strip().splitlines()
+
+
+def start_gpu_check(python, path, report, **popen):
+    """gpu_check.sh in the background, writing `report`."""
+    command = ["bash", str(CHECK), "--report", str(report)]
+    return subprocess.Popen(command, env=check_env(python, path), **popen)
+
+
+def wait_until(condition, seconds=30):
+    """Poll `condition` every 50 ms until it holds or `seconds` pass."""
+    for _ in range(int(seconds / 0.05)):
+        if condition():
+            return
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -229,8 +248,8 @@ def test_the_tier_runs_on_xdist_workers_unless_the_compute_mode_is_exclusive(tmp
 
 def test_a_shorter_budget_shortens_the_later_parts_and_the_report_says_of_what(tmp_path):
     """--budget 200 (a lease with less than 10 minutes left): the parts share 200 - 75 s, so the
-    targets get what is left after the warm-up instead of their 210 s, the parts that no longer
-    fit are reported as not run, and the report gives the time taken of 200."""
+    targets and the tier get at most what is left after the warm-up instead of their 210 and 300
+    s, and the report and the parts log give the time taken of 200."""
     python, path, _ = simulated_gpu_machine(tmp_path)
     result, lines = gpu_check("--budget", "200", python=python, path=path)
     assert result.returncode == 0, lines
@@ -247,18 +266,13 @@ def test_a_hard_kill_leaves_every_part_s_output_so_far_in_the_parts_log(tmp_path
     """The lease's own limit may kill the whole command with no time for the report: the parts
     log beside it holds each finished part's output and outcome, and the running part's so far."""
     python, path, _ = simulated_gpu_machine(tmp_path, warm_up="echo warmed", tier="echo tier began; sleep 60")
-    env = {name: value for name, value in os.environ.items() if name != "CC"}
     report = tmp_path / "out" / "gpu_check.md"
     log = report.with_name("gpu_check_parts.log")
-    proc = subprocess.Popen(
-        ["bash", str(CHECK), "--report", str(report)], env=dict(env, PYTHON=str(python), PATH=path),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    proc = start_gpu_check(
+        python, path, report, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
-        for _ in range(600):
-            if log.exists() and "tier began" in log.read_text():
-                break
-            time.sleep(0.05)
+        wait_until(lambda: log.exists() and "tier began" in log.read_text())
     finally:  # the whole session: each part's timeout leads a process group of its own
         for stat in Path("/proc").glob("[0-9]*/stat"):
             with contextlib.suppress(OSError):
@@ -298,17 +312,10 @@ def test_an_interrupt_stops_the_running_part_with_its_process_group(tmp_path):
     nothing is left running, and the report says the part was interrupted."""
     part_pid = tmp_path / "part.pid"
     python, path, _ = simulated_gpu_machine(tmp_path, warm_up=f"echo $$ >{part_pid}; exec sleep 60")
-    env = {name: value for name, value in os.environ.items() if name != "CC"}
     report = tmp_path / "report.md"
-    proc = subprocess.Popen(
-        ["bash", str(CHECK), "--report", str(report)], env=dict(env, PYTHON=str(python), PATH=path),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = start_gpu_check(python, path, report, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(600):
-            if part_pid.exists() and part_pid.read_text().strip():
-                break
-            time.sleep(0.05)
+        wait_until(lambda: part_pid.exists() and part_pid.read_text().strip())
         assert part_pid.exists(), "the part never started"
         sleeper = int(part_pid.read_text())
         proc.send_signal(signal.SIGTERM)
