@@ -727,6 +727,7 @@ def read_rows(path):
 
 
 def write_rows(path, rows):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # a new --out folder, as --runs-dir is made
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(COLUMNS)

@@ -237,6 +237,29 @@ def test_logged_losses_per_fifth_as_tensorboard_keeps_them(tmp_path):
     assert "logged:" not in learning.summary(rows, "a2c")  # no run directory at hand: no table
 
 
+def test_a_run_read_with_from_run_into_a_new_folder(tmp_path, capsys):
+    """--from-run reads a run cut short (a partial curve) into OUT.csv, its folder made if missing,
+    with the steps it reached and its logged losses."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run_dir = tmp_path / "Qbert-v5__ppo_atari_native__2__1"
+    writer = SummaryWriter(str(run_dir))
+    for step in range(100, 1501, 100):
+        writer.add_scalar(learning.RETURN, float(step), step)
+        writer.add_scalar("losses/entropy", 1.5, step)
+    writer.close()
+    out = tmp_path / "new" / "partial"
+    learning.main(["--from-run", "ppo_atari_native", "2", str(run_dir), "--env-ids", "Qbert-v5",
+                   "--out", str(out), "--at", "1000", "2000"])  # fmt: skip
+    with open(f"{out}.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["label"], r["game"], r["seed"]) for r in rows] == [("ppo_atari_native", "Qbert-v5", "2")] * 15
+    printed = capsys.readouterr().out
+    assert "| ppo_atari_native | 2 | 550.00 | not reached |" in printed
+    assert "| ppo_atari_native | 2 | losses/entropy |" in printed
+    assert (tmp_path / "new" / "partial.png").stat().st_size > 0
+
+
 def test_published_points_follow_the_algorithm_and_the_game(monkeypatch):
     """Runs are drawn and summarized beside their algorithm's published figures on their own game (by
     label: A2C's beside SLM Lab's A2C, PPO's, the SLM-settings copy's too, beside SLM Lab's PPO and
